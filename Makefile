@@ -1,0 +1,37 @@
+# Two entry points, each doing its own set-up on a fresh clone:
+#   make demo   pretrain the default recipe on Tiny Shakespeare, then generate from the result
+#   make test   run the test suite
+# Both create .venv and install decoderlab into it (torch 2.13.0 first: see README).
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Offline copy when it sits beside the checkout, else the Hub dataset
+DATA ?= $(if $(wildcard ../shared/data/tiny_shakespeare),../shared/data/tiny_shakespeare,karpathy/tiny_shakespeare)
+OUT ?= out/shakespeare_char
+DEMO_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) training/pretrain.py --config training/configs/shakespeare_char.yaml \
+		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
+	$(PY) training/generate.py $(OUT) --prompt "ROMEO:" --max_new_tokens 300
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,225 @@
+"""DecoderLab configuration: every mechanism of the decoder is a field here, validated once.
+
+This file travels inside checkpoints (``trust_remote_code``), so it imports only ``transformers``
+and ``huggingface_hub`` (which transformers depends on).
+"""
+
+import functools
+import typing
+from typing import Literal
+
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+
+PositionEmbeddingType = Literal["rope", "sinusoidal", "learned", "none"]
+NormPlacement = Literal["pre", "post", "sandwich"]
+NormType = Literal["layernorm", "rmsnorm"]
+MlpType = Literal["gated", "plain"]
+HiddenAct = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh", "relu2"]
+
+
+def _choices(literal) -> tuple[str, ...]:
+    return typing.get_args(literal)
+
+
+@strict
+class DecoderLabConfig(PreTrainedConfig):
+    r"""Configuration of a DecoderLab decoder-only language model.
+
+    Sizes
+        vocab_size, hidden_size, num_hidden_layers, num_attention_heads: as in every HF decoder.
+        num_key_value_heads: equal to ``num_attention_heads`` is multi-head attention, fewer is
+            grouped-query attention (Ainslie et al. 2023), 1 is multi-query (Shazeer 2019).
+            ``None`` means ``num_attention_heads``.
+        head_dim: per-head width; ``None`` means ``hidden_size // num_attention_heads``.
+        intermediate_size: MLP width; ``None`` means 4 x hidden for the plain MLP and 8/3 x hidden
+            (rounded up to a multiple of 64) for the gated MLP, which keeps their parameter counts equal.
+        max_position_embeddings: longest sequence for learned/sinusoidal positions; the RoPE cache size.
+
+    Attention
+        attention_scale: the factor in ``softmax(Q K^T * scale) V``. ``None`` is ``1/sqrt(head_dim)``
+            (Vaswani et al. 2017); ``1.0`` turns scaling off.
+        qk_norm: normalise each head's queries and keys (``norm_type``) before RoPE (OLMo 2, Qwen 3).
+        attention_bias, attention_dropout.
+
+    Positions (``position_embedding_type``)
+        ``"rope"`` rotary (Su et al. 2021), configured by ``rope_parameters`` (``rope_theta``,
+        ``partial_rotary_factor``, and the scaling types of ``transformers.modeling_rope_utils``);
+        ``"sinusoidal"`` (Vaswani et al. 2017); ``"learned"`` absolute (GPT-2); ``"none"`` (NoPE).
+
+    Normalisation
+        norm_placement: ``"pre"`` x + f(LN(x)); ``"post"`` LN(x + f(x)) (the original Transformer);
+            ``"sandwich"`` x + LN(f(LN(x))).
+        norm_type: ``"layernorm"`` or ``"rmsnorm"``; norm_eps; norm_bias (LayerNorm only).
+        use_parallel_residual: GPT-J / GPT-NeoX block, x + attn(LN1(x)) + mlp(LN2(x)); pre-norm only.
+
+    MLP
+        mlp_type: ``"gated"`` down(act(gate(x)) * up(x)) (SwiGLU with silu, Shazeer 2020) or
+            ``"plain"`` down(act(up(x))); hidden_act; mlp_bias.
+
+    Other
+        hidden_dropout: dropout on the embeddings and on each sublayer's output.
+        tie_word_embeddings: share ``lm_head`` with ``embed_tokens``.
+        initializer_range: std of the normal init; scale_residual_init: GPT-2's init of the
+            residual output projections (``o_proj``, ``down_proj``) with std / sqrt(2 x layers).
+    """
+
+    model_type = "decoderlab"
+    keys_to_ignore_at_inference = ["cache"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    # sizes
+    vocab_size: int = 32000
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int = 2048
+    # attention
+    attention_scale: float | None = None
+    qk_norm: bool = False
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    # positions
+    position_embedding_type: PositionEmbeddingType = "rope"
+    rope_parameters: RopeParameters | dict | None = None
+    # normalisation
+    norm_placement: NormPlacement = "pre"
+    norm_type: NormType = "rmsnorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    use_parallel_residual: bool = False
+    # MLP
+    mlp_type: MlpType = "gated"
+    hidden_act: HiddenAct = "silu"
+    mlp_bias: bool = False
+    # other
+    hidden_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    scale_residual_init: bool = True
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}: pick sizes that divide, or set head_dim explicitly."
+                )
+            self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+        if self.intermediate_size is None:
+            if self.mlp_type == "gated":
+                self.intermediate_size = 64 * -(-8 * self.hidden_size // (3 * 64))
+            else:
+                self.intermediate_size = 4 * self.hidden_size
+        super().__post_init__(**kwargs)  # standardises rope_parameters (rope_theta, rope_scaling kwargs)
+        self._check()
+
+    def _check(self) -> None:
+        """Validate every field once; each error names the field, the value and what is allowed.
+
+        Not a ``validate_*`` method on purpose: ``@strict`` would wrap those errors in its own
+        exception types, and users catch ``ValueError``.
+        """
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by num_key_value_heads="
+                f"{self.num_key_value_heads}: each key/value head must serve a whole group of query heads."
+            )
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}.")
+        if self.attention_scale is not None and self.attention_scale <= 0:
+            raise ValueError(
+                f"attention_scale must be positive (1.0 turns scaling off) or None for 1/sqrt(head_dim), "
+                f"got {self.attention_scale}."
+            )
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}.")
+        if self.use_parallel_residual and self.norm_placement != "pre":
+            raise ValueError(
+                f"use_parallel_residual=True needs norm_placement='pre' (GPT-NeoX's block), "
+                f"got norm_placement={self.norm_placement!r}."
+            )
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not an activation transformers knows.")
+        if self.position_embedding_type == "rope":
+            self._check_rope()
+
+    def _check_rope(self) -> None:
+        rope = self.rope_parameters
+        rope_types = ("default", *ROPE_INIT_FUNCTIONS)
+        if rope.get("rope_type") not in rope_types:
+            raise ValueError(
+                f"rope_parameters['rope_type']={rope.get('rope_type')!r} is not a RoPE type transformers "
+                f"provides; allowed: {', '.join(map(repr, rope_types))}."
+            )
+        factor = rope.get("partial_rotary_factor", 1.0)
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}.")
+        rotary_dim = int(self.head_dim * factor)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"RoPE rotates pairs of dimensions, so the rotary dimension head_dim * partial_rotary_factor "
+                f"= {self.head_dim} * {factor} -> {rotary_dim} must be even and at least 2."
+            )
+        if rope.get("rope_theta") is None or rope["rope_theta"] <= 0:
+            raise ValueError(f"rope_theta must be positive, got {rope.get('rope_theta')}.")
+        try:
+            self.validate_rope()  # transformers' own checks of each scaling type's keys
+        except KeyError as err:  # e.g. rope_type="linear" without "factor"
+            raise ValueError(f"rope_parameters={rope}: {err.args[0]}") from err
+
+
+# `@strict` checks field types (and `Literal` choices) as fields are set, raising its own
+# StrictDataclassFieldValidationError, which is not a ValueError. Re-raise those as ValueError so that
+# `except ValueError` catches every bad configuration, whether it comes from Python or a config.json.
+_strict_init = DecoderLabConfig.__init__
+
+
+@functools.wraps(_strict_init)
+def _init_raising_value_error(self, *args, **kwargs):
+    try:
+        _strict_init(self, *args, **kwargs)
+    except StrictDataclassError as err:
+        field = getattr(err, "field", None)
+        allowed = ""
+        hint = DecoderLabConfig.__annotations__.get(field)
+        if typing.get_origin(hint) is Literal:
+            allowed = f" Allowed: {', '.join(repr(c) for c in _choices(hint))}."
+        raise ValueError(f"Invalid DecoderLabConfig: {err}{allowed}") from err
+
+
+DecoderLabConfig.__init__ = _init_raising_value_error
+
+__all__ = ["DecoderLabConfig"]

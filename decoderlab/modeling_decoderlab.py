@@ -1,0 +1,622 @@
+"""DecoderLab: a small decoder-only Transformer whose mechanisms are configuration switches.
+
+Read top to bottom: norms, positions, attention, MLP, the decoder blocks (one small class per norm
+placement), then the Hugging Face ``PreTrainedModel`` classes. Variants are chosen once in
+``__init__``; every ``forward`` is straight-line.
+
+This file travels inside checkpoints (``trust_remote_code``), so it imports only ``torch``,
+``transformers`` and ``.configuration_decoderlab``.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.import_utils import is_torchdynamo_compiling
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_decoderlab import DecoderLabConfig
+
+logger = logging.get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Norms
+
+
+class DecoderLabRMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): x / rms(x) * w, computed in float32 like Llama's."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # F.rms_norm is one fused op; casting back before the weight multiply matches LlamaRMSNorm bit for bit
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def make_norm(config: DecoderLabConfig, dim: int) -> nn.Module:
+    if config.norm_type == "rmsnorm":
+        return DecoderLabRMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions: rotary (rotates q and k inside attention) or absolute (added to the token embeddings)
+
+
+class DecoderLabRotaryEmbedding(nn.Module):
+    """RoPE (Su et al. 2021). Returns cos/sin tables for the rotary part of each head.
+
+    Named ``*RotaryEmbedding`` with ``inv_freq`` and ``original_inv_freq`` buffers so that
+    transformers rebuilds them after loading on the meta device, and so that the scaling types of
+    ``transformers.modeling_rope_utils`` (linear, dynamic, yarn, llama3, ...) apply unchanged.
+    """
+
+    def __init__(self, config: DecoderLabConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: DecoderLabConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        """theta_i = base^(-2i/d) over the rotary dimensions d = head_dim * partial_rotary_factor."""
+        base = config.rope_parameters["rope_theta"]
+        dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
+        )
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, d): HF's half-split layout
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q, k: (B, nh, T, hs) by cos, sin: (B, T, d). With d < hs (partial rotary, GPT-NeoX)
+    only the first d dimensions of each head rotate; the rest pass through."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d): broadcast over heads
+    d = cos.shape[-1]
+    if d == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q_rot, q_pass = q[..., :d], q[..., d:]
+    k_rot, k_pass = k[..., :d], k[..., d:]
+    q_rot = q_rot * cos + rotate_half(q_rot) * sin
+    k_rot = k_rot * cos + rotate_half(k_rot) * sin
+    return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
+
+
+class DecoderLabAbsolutePositionalEmbedding(nn.Module):
+    """Base for positions added to the token embeddings; refuses positions past the table."""
+
+    def check(self, position_ids: torch.Tensor) -> None:
+        if is_torchdynamo_compiling():
+            return
+        longest = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        if longest > self.num_positions:
+            raise ValueError(
+                f"Position {longest - 1} is past max_position_embeddings={self.num_positions} of "
+                f"{self.__class__.__name__}: the sequence (prompt plus generated tokens) is {longest} long. "
+                "Shorten it, or use position_embedding_type='rope', which has no fixed limit."
+            )
+
+
+class DecoderLabLearnedPositionalEmbedding(DecoderLabAbsolutePositionalEmbedding):
+    """Learned absolute positions (GPT-2's ``wpe``)."""
+
+    def __init__(self, config: DecoderLabConfig):
+        super().__init__()
+        self.num_positions = config.max_position_embeddings
+        self.weight = nn.Parameter(torch.empty(config.max_position_embeddings, config.hidden_size))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        self.check(position_ids)
+        return F.embedding(position_ids, self.weight)  # (B, T, C)
+
+
+class DecoderLabSinusoidalPositionalEmbedding(DecoderLabAbsolutePositionalEmbedding):
+    """Fixed sinusoids (Vaswani et al. 2017, section 3.5):
+    PE(p, 2i) = sin(p / 10000^(2i/C)), PE(p, 2i+1) = cos(p / 10000^(2i/C))."""
+
+    def __init__(self, config: DecoderLabConfig):
+        super().__init__()
+        self.num_positions = config.max_position_embeddings
+        self.hidden_size = config.hidden_size
+        self.table = nn.Buffer(self.compute_table(), persistent=False)  # not saved: rebuilt by _init_weights
+
+    def compute_table(self) -> torch.Tensor:
+        position = torch.arange(self.num_positions, dtype=torch.float32)[:, None]  # (P, 1)
+        inv_freq = torch.exp(torch.arange(0, self.hidden_size, 2).float() * (-math.log(10000.0) / self.hidden_size))
+        table = torch.zeros(self.num_positions, self.hidden_size)
+        table[:, 0::2] = torch.sin(position * inv_freq)
+        table[:, 1::2] = torch.cos(position * inv_freq[: self.hidden_size // 2])
+        return table
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        self.check(position_ids)
+        return F.embedding(position_ids, self.table)  # (B, T, C)
+
+
+ABSOLUTE_POSITIONS = {
+    "learned": DecoderLabLearnedPositionalEmbedding,
+    "sinusoidal": DecoderLabSinusoidalPositionalEmbedding,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, n_kv, T, hs) -> (B, n_kv * n_rep, T, hs): each key/value head serves n_rep query heads."""
+    if n_rep == 1:
+        return x
+    B, n_kv, T, hs = x.shape
+    return x[:, :, None].expand(B, n_kv, n_rep, T, hs).reshape(B, n_kv * n_rep, T, hs)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q K^T * scale + mask) V, written out. q: (B, nh, T, hs); k, v: (B, n_kv, S, hs)."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, nh, T, S)
+    if attention_mask is not None:
+        scores = scores + attention_mask  # 0 where allowed, -inf (dtype min) where masked
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
+    return out, weights
+
+
+class DecoderLabAttention(nn.Module):
+    """Multi-head attention with grouped-query / multi-query variants and a switchable scale.
+
+    Every head is computed in parallel as one batched matmul; the heads' outputs are concatenated
+    and mixed by ``o_proj``. The kernel comes from transformers' attention interface, so
+    ``attn_implementation`` "eager", "sdpa", "flex_attention" and "flash_attention_2" all work.
+    """
+
+    def __init__(self, config: DecoderLabConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        # Vaswani et al. 2017: 1/sqrt(d_k) keeps the variance of q.k near 1 when q, k have unit variance
+        self.scaling = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        C, nh, n_kv, hs, bias = (
+            config.hidden_size,
+            self.num_heads,
+            config.num_key_value_heads,
+            self.head_dim,
+            config.attention_bias,
+        )
+        self.q_proj = nn.Linear(C, nh * hs, bias=bias)
+        self.k_proj = nn.Linear(C, n_kv * hs, bias=bias)
+        self.v_proj = nn.Linear(C, n_kv * hs, bias=bias)
+        self.o_proj = nn.Linear(nh * hs, C, bias=bias)
+        # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen 3): normalise each head's q and k before RoPE
+        self.q_norm = make_norm(config, hs) if config.qk_norm else None
+        self.k_norm = make_norm(config, hs) if config.qk_norm else None
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
+        v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if position_embeddings is not None:  # RoPE
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)  # (B, n_kv, S, hs): past and present
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        y, weights = attention_interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )  # y: (B, T, nh, hs)
+        y = self.o_proj(y.reshape(B, T, -1))  # concatenate the heads, then mix them
+        return y, weights
+
+
+# ----------------------------------------------------------------------------------------------
+# MLP
+
+
+class DecoderLabMLP(nn.Module):
+    """Plain MLP (GPT-2, Vaswani et al.): down(act(up(x)))."""
+
+    def __init__(self, config: DecoderLabConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class DecoderLabGatedMLP(nn.Module):
+    """Gated MLP (Shazeer 2020; SwiGLU with silu, as in Llama): down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: DecoderLabConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+MLP_CLASSES = {"plain": DecoderLabMLP, "gated": DecoderLabGatedMLP}
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoder blocks: one class per norm placement, each overriding only __init__'s norms and forward
+
+
+class DecoderLabDecoderLayer(GradientCheckpointingLayer):
+    """Attention and MLP sublayers; subclasses choose where the norms sit."""
+
+    def __init__(self, config: DecoderLabConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DecoderLabAttention(config, layer_idx)
+        self.mlp = MLP_CLASSES[config.mlp_type](config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def attend(self, x, attention_mask, position_embeddings, cache, **kwargs) -> torch.Tensor:
+        y, _ = self.self_attn(x, position_embeddings, attention_mask, cache, **kwargs)
+        return self.dropout(y)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.mlp(x))
+
+
+class DecoderLabPreNormDecoderLayer(DecoderLabDecoderLayer):
+    """Pre-LN (GPT-2, Llama; stable without warmup, Xiong et al. 2020):
+    h = x + Attn(LN_1(x));  out = h + MLP(LN_2(h))."""
+
+    def __init__(self, config: DecoderLabConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)  # Llama's name for LN_2
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        h = hidden_states + self.attend(
+            self.input_layernorm(hidden_states), attention_mask, position_embeddings, cache, **kwargs
+        )
+        return h + self.feed_forward(self.post_attention_layernorm(h))
+
+
+class DecoderLabPostNormDecoderLayer(DecoderLabDecoderLayer):
+    """Post-LN (the original Transformer, Vaswani et al. 2017; needs warmup when deep, Xiong et al. 2020):
+    h = LN_1(x + Attn(x));  out = LN_2(h + MLP(h))."""
+
+    def __init__(self, config: DecoderLabConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        h = self.post_attention_layernorm(
+            hidden_states + self.attend(hidden_states, attention_mask, position_embeddings, cache, **kwargs)
+        )
+        return self.post_feedforward_layernorm(h + self.feed_forward(h))
+
+
+class DecoderLabSandwichNormDecoderLayer(DecoderLabDecoderLayer):
+    """Sandwich-LN (Ding et al. 2021, CogView; Gemma 2's names):
+    h = x + LN_b(Attn(LN_a(x)));  out = h + LN_d(MLP(LN_c(h)))."""
+
+    def __init__(self, config: DecoderLabConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        a = self.attend(self.input_layernorm(hidden_states), attention_mask, position_embeddings, cache, **kwargs)
+        h = hidden_states + self.post_attention_layernorm(a)
+        return h + self.post_feedforward_layernorm(self.feed_forward(self.pre_feedforward_layernorm(h)))
+
+
+class DecoderLabParallelDecoderLayer(DecoderLabDecoderLayer):
+    """Parallel residual (GPT-J, GPT-NeoX): out = x + Attn(LN_1(x)) + MLP(LN_2(x))."""
+
+    def __init__(self, config: DecoderLabConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)  # GPT-NeoX's name for LN_2
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        a = self.attend(self.input_layernorm(hidden_states), attention_mask, position_embeddings, cache, **kwargs)
+        return hidden_states + a + self.feed_forward(self.post_attention_layernorm(hidden_states))
+
+
+def decoder_layer_class(config: DecoderLabConfig) -> type[DecoderLabDecoderLayer]:
+    if config.use_parallel_residual:
+        return DecoderLabParallelDecoderLayer
+    return {
+        "pre": DecoderLabPreNormDecoderLayer,
+        "post": DecoderLabPostNormDecoderLayer,
+        "sandwich": DecoderLabSandwichNormDecoderLayer,
+    }[config.norm_placement]
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face models
+
+
+class DecoderLabPreTrainedModel(PreTrainedModel):
+    config: DecoderLabConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = [
+        "DecoderLabPreNormDecoderLayer",
+        "DecoderLabPostNormDecoderLayer",
+        "DecoderLabSandwichNormDecoderLayer",
+        "DecoderLabParallelDecoderLayer",
+    ]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": DecoderLabDecoderLayer, "attentions": DecoderLabAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # Linear, Embedding, norms, and the RoPE buffers
+        std = self.config.initializer_range
+        if isinstance(module, DecoderLabLearnedPositionalEmbedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DecoderLabSinusoidalPositionalEmbedding):
+            init.copy_(module.table, module.compute_table())
+        elif self.config.scale_residual_init and isinstance(
+            module, (DecoderLabAttention, DecoderLabMLP, DecoderLabGatedMLP)
+        ):
+            # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded
+            out = module.o_proj if isinstance(module, DecoderLabAttention) else module.down_proj
+            init.normal_(out.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # save_pretrained writes auto_map only for the class being saved and its config; name every
+        # Auto class so the checkpoint loads through any of them with trust_remote_code.
+        self.config.auto_map = {
+            "AutoConfig": "configuration_decoderlab.DecoderLabConfig",
+            "AutoModel": "modeling_decoderlab.DecoderLabModel",
+            "AutoModelForCausalLM": "modeling_decoderlab.DecoderLabForCausalLM",
+            "AutoModelForSequenceClassification": "modeling_decoderlab.DecoderLabForSequenceClassification",
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+class DecoderLabModel(DecoderLabPreTrainedModel):
+    """The decoder stack: embeddings (+ absolute positions), blocks, final norm."""
+
+    def __init__(self, config: DecoderLabConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        position_type = config.position_embedding_type
+        self.embed_positions = (
+            ABSOLUTE_POSITIONS[position_type](config) if position_type in ABSOLUTE_POSITIONS else None
+        )
+        self.rotary_emb = DecoderLabRotaryEmbedding(config) if position_type == "rope" else None
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        layer_class = decoder_layer_class(config)
+        self.layers = nn.ModuleList([layer_class(config, i) for i in range(config.num_hidden_layers)])
+        # post-LN blocks already end in a norm, so only the other placements need a final one
+        self.norm = make_norm(config, config.hidden_size) if config.norm_placement != "post" else nn.Identity()
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """An id outside the vocabulary would otherwise surface as an opaque index error."""
+        if is_torchdynamo_compiling() or input_ids.numel() == 0:
+            return
+        low, high = torch.aminmax(input_ids)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size={self.vocab_size}), but range from {int(low)} to {int(high)}. "
+                "Was the text tokenized with this model's tokenizer?"
+            )
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            self.check_input_ids(input_ids)
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
+
+        # None when SDPA's own causal path suffices (no padding): no mask is materialised then
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+
+        hidden_states = inputs_embeds
+        if self.embed_positions is not None:  # learned / sinusoidal: added once, at the bottom
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        hidden_states = self.dropout(hidden_states)
+        # RoPE: cos/sin computed once, applied to q and k in every layer
+        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+class DecoderLabForCausalLM(DecoderLabPreTrainedModel, GenerationMixin):
+    """The decoder with a language-modelling head; ``generate`` comes from ``GenerationMixin``."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # applied if tie_word_embeddings
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
+
+    def __init__(self, config: DecoderLabConfig):
+        super().__init__(config)
+        self.model = DecoderLabModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        """``labels`` are the input ids (or -100 to ignore); the loss shifts them by one itself."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class DecoderLabForSequenceClassification(GenericForSequenceClassification, DecoderLabPreTrainedModel):
+    """Classifier on the last non-padding token (transformers' generic head)."""
+
+    def __init__(self, config: DecoderLabConfig):
+        # The generic __init__ builds the body through AutoModel, which a trust_remote_code load has
+        # not registered; build it directly instead.
+        DecoderLabPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = DecoderLabModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+DecoderLabConfig.register_for_auto_class()
+DecoderLabModel.register_for_auto_class("AutoModel")
+DecoderLabForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+DecoderLabForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+__all__ = [
+    "DecoderLabPreTrainedModel",
+    "DecoderLabModel",
+    "DecoderLabForCausalLM",
+    "DecoderLabForSequenceClassification",
+]
