@@ -4,6 +4,7 @@ This file travels inside checkpoints (``trust_remote_code``), so it imports only
 and ``huggingface_hub`` (which transformers depends on).
 """
 
+import copy
 import functools
 import typing
 from typing import Literal
@@ -176,6 +177,12 @@ class DecoderLabConfig(PreTrainedConfig):
         if self.position_embedding_type == "rope":
             self._check_rope()
 
+    def validate_rope(self) -> None:
+        """transformers' RoPE checks (which ``@strict`` runs on every config) concern RoPE configs only:
+        without rotation an odd head_dim is fine."""
+        if self.position_embedding_type == "rope":
+            super().validate_rope()
+
     def _check_rope(self) -> None:
         rope = self.rope_parameters
         rope_types = ("default", *ROPE_INIT_FUNCTIONS)
@@ -200,6 +207,35 @@ class DecoderLabConfig(PreTrainedConfig):
         except KeyError as err:  # e.g. rope_type="linear" without "factor"
             raise ValueError(f"rope_parameters={rope}: {err.args[0]}") from err
 
+    @classmethod
+    def from_preset(cls, name: str, size: str | None = None, **overrides) -> "DecoderLabConfig":
+        """A named architecture (``PRESETS``), optionally at a named size (``SIZES``), plus overrides.
+
+        ``DecoderLabConfig.from_preset("llama", "tiny", vocab_size=65)``. Each keyword replaces the
+        preset's field whole (``rope_parameters={...}`` replaces the preset's dict, it is not merged).
+
+        =========  =====================================================================================
+        llama      pre-RMSNorm, RoPE, SwiGLU MLP, no biases, untied embeddings; GQA via num_key_value_heads
+        gpt2       pre-LayerNorm, learned positions (1024), GELU (tanh approximation) MLP, biases, tied
+        neox       Pythia: pre-LayerNorm, RoPE on 25% of each head, parallel residual, GELU MLP, biases
+        vaswani    the original decoder: post-LayerNorm, sinusoidal positions, ReLU MLP, tied embeddings
+        =========  =====================================================================================
+
+        Sizes (layers x hidden x heads): ``nano`` 4 x 128 x 4 (nanoGPT's CPU recipe), ``tiny``
+        6 x 384 x 6 (nanoGPT's Shakespeare recipe), ``small`` 12 x 768 x 12 (GPT-2 small). Presets fix
+        the architecture only: dropout stays 0 (GPT-2 and Vaswani et al. trained with 0.1) and the
+        vocabulary stays 32000 unless overridden.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"Unknown preset {name!r}; choose one of {', '.join(map(repr, PRESETS))}.")
+        if size is not None and size not in SIZES:
+            raise ValueError(
+                f"Unknown size {size!r}; choose one of {', '.join(map(repr, SIZES))}, or None to set sizes yourself."
+            )
+        # deep copy: the config standardises rope_parameters in place, and PRESETS must stay as written
+        fields = copy.deepcopy({**PRESETS[name], **SIZES.get(size, {})})
+        return cls(**{**fields, **overrides})
+
 
 # `@strict` checks field types (and `Literal` choices) as fields are set, raising its own
 # StrictDataclassFieldValidationError, which is not a ValueError. Re-raise those as ValueError so that
@@ -222,4 +258,72 @@ def _init_raising_value_error(self, *args, **kwargs):
 
 DecoderLabConfig.__init__ = _init_raising_value_error
 
-__all__ = ["DecoderLabConfig"]
+# ----------------------------------------------------------------------------------------------
+# Presets: named architectures and sizes for DecoderLabConfig.from_preset. Each architecture sets
+# every field that defines it, so a preset reads the same whatever the defaults above become.
+
+PRESETS: dict[str, dict] = {
+    # Touvron et al. 2023
+    "llama": dict(
+        position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        norm_placement="pre",
+        norm_type="rmsnorm",
+        use_parallel_residual=False,
+        mlp_type="gated",
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    ),
+    # Radford et al. 2019; "gelu_new" is GPT-2's tanh approximation of GELU
+    "gpt2": dict(
+        position_embedding_type="learned",
+        max_position_embeddings=1024,
+        norm_placement="pre",
+        norm_type="layernorm",
+        norm_bias=True,
+        use_parallel_residual=False,
+        mlp_type="plain",
+        hidden_act="gelu_new",
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
+    # Black et al. 2022 (GPT-NeoX-20B), Biderman et al. 2023 (Pythia)
+    "neox": dict(
+        position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        norm_placement="pre",
+        norm_type="layernorm",
+        norm_bias=True,
+        use_parallel_residual=True,
+        mlp_type="plain",
+        hidden_act="gelu",
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    ),
+    # Vaswani et al. 2017: FFN(x) = max(0, x W1 + b1) W2 + b2 (eq. 2); embeddings shared with the
+    # pre-softmax projection (section 3.4). Unlike the paper, embeddings are not multiplied by sqrt(d_model).
+    "vaswani": dict(
+        position_embedding_type="sinusoidal",
+        norm_placement="post",
+        norm_type="layernorm",
+        norm_bias=True,
+        use_parallel_residual=False,
+        mlp_type="plain",
+        hidden_act="relu",
+        attention_bias=False,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
+}
+
+SIZES: dict[str, dict] = {
+    "nano": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4),  # nanoGPT's CPU recipe
+    "tiny": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=6),  # nanoGPT's Shakespeare recipe
+    "small": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12),  # GPT-2 small
+}
+
+__all__ = ["DecoderLabConfig", "PRESETS", "SIZES"]

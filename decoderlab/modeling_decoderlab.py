@@ -5,7 +5,7 @@ placement), then the Hugging Face ``PreTrainedModel`` classes. Variants are chos
 ``__init__``; every ``forward`` is straight-line.
 
 This file travels inside checkpoints (``trust_remote_code``), so it imports only ``torch``,
-``transformers`` and ``.configuration_decoderlab``.
+``transformers`` (and ``safetensors``, which transformers requires) and ``.configuration_decoderlab``.
 """
 
 import math
@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -463,6 +464,27 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             "AutoModelForSequenceClassification": "modeling_decoderlab.DecoderLabForSequenceClassification",
         }
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
+        # A damaged weights file otherwise surfaces as safetensors' bare "Error while deserializing header".
+        try:
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
+        except SafetensorError as err:
+            raise OSError(
+                f"The weights of {pretrained_model_name_or_path} cannot be read: a .safetensors file there is "
+                f"truncated or corrupted ({err}). Download or save the checkpoint again."
+            ) from err
+        # transformers only logs weights a checkpoint lacks and leaves them random. A new task head
+        # (lm_head, score) may legitimately be missing; a missing piece of the decoder is a broken checkpoint.
+        missing = sorted(k for k in info["missing_keys"] if not k.startswith(("lm_head.", "score.")))
+        if missing:
+            raise OSError(
+                f"The checkpoint {pretrained_model_name_or_path} lacks {len(missing)} weight(s) of the decoder: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Its weight files are incomplete or "
+                "were saved from a different configuration."
+            )
+        return (model, info) if output_loading_info else model
 
 
 class DecoderLabModel(DecoderLabPreTrainedModel):

@@ -1,0 +1,115 @@
+"""Shared fixtures: tiny configurations and models, seeding, and the switch values most tests sweep.
+
+Fixtures here are generic on purpose (several test files use them); do not rename them.
+
+- ``tiny_config(**overrides)``: a DecoderLabConfig small enough for CPU tests (vocab 99, hidden 64,
+  2 layers, 4 heads), with any field overridden.
+- ``tiny_model(config=None, **overrides)``: a DecoderLabForCausalLM in eval mode whose weights are
+  re-drawn by ``randomize`` so that outputs are O(1) and every parameter matters.
+- ``randomize(module)``: re-draws every parameter of any torch module (also a transformers Llama):
+  matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2), embeddings ~ N(0, 1).
+  The default init (std 0.02) makes logits so small that a tolerance of 1e-5 would hide real bugs.
+- ``position_type``: parametrizes a test over every ``position_embedding_type``.
+- ``block_variant``: parametrizes over every norm placement plus the parallel residual, as config overrides.
+- ``attention_heads``: parametrizes over multi-head, grouped-query and multi-query attention.
+- ``all_block_variants``: the same block layouts as one dict, for a test that covers them all in one go.
+"""
+
+import typing
+
+import pytest
+import torch
+from torch import nn
+
+import decoderlab  # noqa: F401  (registers the Auto classes)
+from decoderlab.configuration_decoderlab import NormPlacement, PositionEmbeddingType
+from decoderlab.modeling_decoderlab import DecoderLabForCausalLM
+
+TINY_SIZES = dict(
+    vocab_size=99,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+
+# config overrides for each block layout: the three norm placements, and GPT-NeoX's parallel residual
+BLOCK_VARIANTS = {placement: {"norm_placement": placement} for placement in typing.get_args(NormPlacement)}
+BLOCK_VARIANTS["parallel"] = {"norm_placement": "pre", "use_parallel_residual": True}
+
+# num_key_value_heads with 4 query heads
+ATTENTION_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _few_threads():
+    """The CI machine has 2 cores; more threads only add contention."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(min(2, previous))
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Every test starts from the same random state, so a failure reproduces."""
+    torch.manual_seed(0)
+
+
+@torch.no_grad()
+def _randomize(module: nn.Module) -> nn.Module:
+    for name, param in module.named_parameters():
+        if param.ndim >= 2 and "embed" in name:
+            param.normal_(0.0, 1.0)
+        elif param.ndim >= 2:
+            param.normal_(0.0, param.shape[-1] ** -0.5)  # (out, in): unit-variance outputs
+        elif name.endswith("bias"):
+            param.normal_(0.0, 0.1)
+        else:  # norm weights
+            param.normal_(1.0, 0.1)
+    return module
+
+
+@pytest.fixture
+def randomize():
+    return _randomize
+
+
+@pytest.fixture
+def tiny_config():
+    def make(**overrides) -> decoderlab.DecoderLabConfig:
+        return decoderlab.DecoderLabConfig(**{**TINY_SIZES, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def tiny_model(tiny_config):
+    def make(config: decoderlab.DecoderLabConfig | None = None, **overrides) -> DecoderLabForCausalLM:
+        config = config if config is not None else tiny_config(**overrides)
+        return _randomize(DecoderLabForCausalLM(config)).eval()
+
+    return make
+
+
+@pytest.fixture(params=typing.get_args(PositionEmbeddingType))
+def position_type(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=list(BLOCK_VARIANTS))
+def block_variant(request) -> dict:
+    """Config overrides selecting one block layout (pre, post, sandwich, parallel)."""
+    return BLOCK_VARIANTS[request.param]
+
+
+@pytest.fixture
+def all_block_variants() -> dict[str, dict]:
+    """{"pre": overrides, "post": ..., "sandwich": ..., "parallel": ...}."""
+    return dict(BLOCK_VARIANTS)
+
+
+@pytest.fixture(params=list(ATTENTION_HEADS))
+def attention_heads(request) -> dict:
+    """Config overrides selecting MHA, GQA or MQA for 4 query heads."""
+    return {"num_key_value_heads": ATTENTION_HEADS[request.param]}

@@ -1,0 +1,71 @@
+"""The attention kernels are interchangeable: eager and SDPA give the same logits for every
+position type x block layout x MHA/GQA/MQA, with and without padding; the optional outputs
+(attention weights, hidden states) have the documented shapes and meaning."""
+
+import pytest
+import torch
+
+
+def left_padding_mask(batch: int, length: int) -> torch.Tensor:
+    """(B, T) attention mask: row b starts with 2*b padding positions."""
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b in range(batch):
+        mask[b, : 2 * b] = 0
+    return mask
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padding"])
+def test_eager_and_sdpa_agree(tiny_model, position_type, block_variant, attention_heads, padded):
+    """Same weights, same input: eager and SDPA logits agree to 1e-5 at every real (non-padding) position."""
+    model = tiny_model(position_embedding_type=position_type, **block_variant, **attention_heads)
+    x = torch.randint(0, 99, (3, 14))
+    mask = left_padding_mask(3, 14) if padded else None
+    logits = {}
+    for implementation in ("eager", "sdpa"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(x, attention_mask=mask).logits
+    real = mask.bool() if padded else torch.ones(3, 14, dtype=torch.bool)
+    assert torch.isfinite(logits["sdpa"][real]).all()
+    torch.testing.assert_close(logits["sdpa"][real], logits["eager"][real], rtol=0, atol=1e-5)
+
+
+def test_padding_is_masked_out(tiny_model, position_type):
+    """With an attention mask, the real tokens' logits do not depend on what sits in the padding."""
+    model = tiny_model(position_embedding_type=position_type)
+    x = torch.randint(0, 99, (3, 14))
+    mask = left_padding_mask(3, 14)
+    other = torch.where(mask.bool(), x, (x + 7) % 99)  # different tokens under the padding only
+    with torch.no_grad():
+        a = model(x, attention_mask=mask).logits[mask.bool()]
+        b = model(other, attention_mask=mask).logits[mask.bool()]
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_output_attentions_are_causal_distributions(tiny_model, attention_heads):
+    """output_attentions (eager) returns one (B, heads, T, T) tensor per layer; each row sums to 1 and
+    puts no weight on future positions."""
+    model = tiny_model(**attention_heads)
+    model.set_attn_implementation("eager")
+    x = torch.randint(0, 99, (2, 9))
+    with torch.no_grad():
+        attentions = model(x, output_attentions=True).attentions
+    assert len(attentions) == model.config.num_hidden_layers
+    for weights in attentions:
+        assert weights.shape == (2, 4, 9, 9)  # all query heads, even with fewer key/value heads
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 9), rtol=0, atol=1e-5)
+        assert weights.triu(1).abs().max() == 0
+
+
+def test_output_hidden_states(tiny_model, block_variant):
+    """output_hidden_states gives num_layers + 1 states: the first layer's input, each layer's output
+    (the last one after the final norm), each (B, T, C); the last equals last_hidden_state."""
+    model = tiny_model(**block_variant)
+    x = torch.randint(0, 99, (2, 9))
+    with torch.no_grad():
+        out = model.model(x, output_hidden_states=True)
+    states = out.hidden_states
+    assert len(states) == model.config.num_hidden_layers + 1
+    assert all(state.shape == (2, 9, 64) for state in states)
+    torch.testing.assert_close(states[0], model.model.embed_tokens(x), rtol=0, atol=0)  # RoPE adds nothing here
+    torch.testing.assert_close(states[-1], out.last_hidden_state, rtol=0, atol=0)

@@ -1,0 +1,259 @@
+"""DecoderLabConfig: derived defaults, serialisation round trips, Auto registration, and validation.
+
+Every bad configuration must reach the user as a ValueError whose message names the field, the
+value and what is allowed, whether it comes from Python keyword arguments or from a config.json.
+"""
+
+import json
+import subprocess
+import sys
+import typing
+
+import pytest
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
+
+from decoderlab import (
+    DecoderLabConfig,
+    DecoderLabForCausalLM,
+    DecoderLabForSequenceClassification,
+    DecoderLabModel,
+)
+
+# A value different from the default for every field, so a field that is not saved or not read back shows up.
+NON_DEFAULT_FIELDS = dict(
+    vocab_size=123,
+    hidden_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=200,
+    max_position_embeddings=77,
+    attention_scale=0.3,
+    qk_norm=True,
+    attention_bias=True,
+    attention_dropout=0.1,
+    position_embedding_type="rope",
+    rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0, "partial_rotary_factor": 0.5},
+    norm_placement="pre",
+    norm_type="layernorm",
+    norm_eps=1e-6,
+    norm_bias=False,
+    use_parallel_residual=True,
+    mlp_type="plain",
+    hidden_act="gelu_new",
+    mlp_bias=True,
+    hidden_dropout=0.2,
+    tie_word_embeddings=True,
+    initializer_range=0.05,
+    scale_residual_init=False,
+    use_cache=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=[2, 3],
+)
+
+
+def test_non_default_fields_cover_every_field():
+    """Keeps the round-trip tests below honest: a new config field must get a non-default value there."""
+    own_fields = set(DecoderLabConfig.__annotations__) - {"model_type", "keys_to_ignore_at_inference"}
+    own_fields -= {name for name in own_fields if name.startswith("base_model_")}
+    assert own_fields <= set(NON_DEFAULT_FIELDS)
+
+
+def test_derived_defaults():
+    """head_dim, num_key_value_heads and intermediate_size are filled in from the other sizes."""
+    config = DecoderLabConfig(hidden_size=768, num_attention_heads=12)
+    assert config.head_dim == 64
+    assert config.num_key_value_heads == 12  # multi-head by default
+    assert config.intermediate_size == 2048  # gated: 8/3 x 768 = 2048, already a multiple of 64
+    assert DecoderLabConfig(hidden_size=64, num_attention_heads=4).intermediate_size == 192  # 170.7 rounded up to 64s
+    assert DecoderLabConfig(hidden_size=64, num_attention_heads=4, mlp_type="plain").intermediate_size == 256
+    assert DecoderLabConfig(hidden_size=64, num_attention_heads=4, head_dim=32).head_dim == 32  # explicit wins
+    assert DecoderLabConfig(num_attention_heads=12, num_key_value_heads=1).num_key_value_heads == 1
+    assert DecoderLabConfig(rope_theta=5e5).rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
+
+
+def test_dict_round_trip():
+    """to_dict -> from_dict gives back every field unchanged."""
+    config = DecoderLabConfig(**NON_DEFAULT_FIELDS)
+    again = DecoderLabConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict()
+    for name, value in NON_DEFAULT_FIELDS.items():
+        assert getattr(again, name) == value or name == "rope_parameters", name
+    assert again.rope_parameters["factor"] == 2.0 and again.rope_parameters["partial_rotary_factor"] == 0.5
+
+
+def test_save_load_round_trip(tmp_path):
+    """save_pretrained writes model_type 'decoderlab'; AutoConfig reads the same config back."""
+    config = DecoderLabConfig(**NON_DEFAULT_FIELDS)
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "decoderlab"
+    again = AutoConfig.from_pretrained(tmp_path)
+    assert type(again) is DecoderLabConfig
+    saved, loaded = config.to_dict(), again.to_dict()
+    loaded.pop("_name_or_path"), saved.pop("_name_or_path")  # where it was loaded from
+    assert loaded == saved
+
+
+def test_for_model_builds_a_decoderlab_config():
+    """AutoConfig.for_model('decoderlab', ...) works once decoderlab is imported."""
+    config = AutoConfig.for_model("decoderlab", hidden_size=128, num_attention_heads=4, norm_placement="post")
+    assert type(config) is DecoderLabConfig
+    assert (config.hidden_size, config.head_dim, config.norm_placement) == (128, 32, "post")
+
+
+def test_import_registers_all_auto_classes():
+    """Before `import decoderlab` transformers does not know the model; after it all four Auto classes do.
+
+    Runs in a fresh interpreter, since this test session has imported decoderlab already.
+    """
+    code = """
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+try:
+    AutoConfig.for_model("decoderlab")
+    print("known before import")
+except ValueError:
+    pass
+import decoderlab
+config = AutoConfig.for_model("decoderlab", vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+for auto in (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification):
+    print(auto.__name__, type(auto.from_config(config)).__name__)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split("\n")[:3] == [
+        "AutoModel DecoderLabModel",
+        "AutoModelForCausalLM DecoderLabForCausalLM",
+        "AutoModelForSequenceClassification DecoderLabForSequenceClassification",
+    ]
+
+
+def test_registration_in_this_process():
+    """The Auto mappings point at decoderlab's classes (what `from_config`/`from_pretrained` dispatch on)."""
+    assert AutoModel._model_mapping[DecoderLabConfig] is DecoderLabModel
+    assert AutoModelForCausalLM._model_mapping[DecoderLabConfig] is DecoderLabForCausalLM
+    assert AutoModelForSequenceClassification._model_mapping[DecoderLabConfig] is DecoderLabForSequenceClassification
+
+
+def test_rope_checks_apply_only_to_rope():
+    """An odd head_dim is fine without RoPE (nothing is rotated); it is refused only with RoPE."""
+    for position_type in ("sinusoidal", "learned", "none"):
+        config = DecoderLabConfig(hidden_size=63, num_attention_heads=3, position_embedding_type=position_type)
+        assert config.head_dim == 21
+    with pytest.raises(ValueError, match="must be even"):
+        DecoderLabConfig(hidden_size=63, num_attention_heads=3, position_embedding_type="rope")
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: (overrides, a regex the message must match)
+
+BAD_CONFIGS = {
+    "hidden not divisible by heads": (
+        dict(hidden_size=66, num_attention_heads=4),
+        r"hidden_size=66 is not divisible by num_attention_heads=4.*set head_dim",
+    ),
+    "heads not divisible by kv heads": (
+        dict(num_attention_heads=4, num_key_value_heads=3),
+        r"num_attention_heads=4 is not divisible by num_key_value_heads=3",
+    ),
+    "odd rotary dimension": (dict(hidden_size=60, num_attention_heads=4), r"15 must be even"),
+    "partial rotary to one dimension": (
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}),
+        r"partial_rotary_factor = 16 \* 0.1 -> 1 must be even",
+    ),
+    "partial_rotary_factor above 1": (
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}),
+        r"partial_rotary_factor must be in \(0, 1\], got 1.5",
+    ),
+    "partial_rotary_factor zero": (
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.0}),
+        r"partial_rotary_factor must be in \(0, 1\], got 0.0",
+    ),
+    "unknown rope_type": (
+        dict(rope_parameters={"rope_type": "spiral", "rope_theta": 1e4}),
+        r"rope_type'\]='spiral' is not a RoPE type.*'linear'.*'yarn'",
+    ),
+    "linear scaling without factor": (
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}),
+        r"Missing required keys.*'linear'.*factor",
+    ),
+    "yarn scaling without factor": (
+        dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+        r"Missing required keys.*'yarn'.*factor",
+    ),
+    "negative rope_theta": (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), r"rope_theta.*-1"),
+    "wrong type": (dict(hidden_size="64"), r"hidden_size.*expected int.*'64'"),
+    "float where int": (dict(vocab_size=3.5), r"vocab_size.*expected int.*3.5"),
+    "string where bool": (dict(qk_norm="yes"), r"qk_norm.*expected bool.*'yes'"),
+    "hidden_dropout 1.5": (dict(hidden_dropout=1.5), r"hidden_dropout must be in \[0, 1\), got 1.5"),
+    "attention_dropout negative": (dict(attention_dropout=-0.1), r"attention_dropout must be in \[0, 1\), got -0.1"),
+    "zero attention_scale": (dict(attention_scale=0.0), r"attention_scale must be positive.*got 0.0"),
+    "zero norm_eps": (dict(norm_eps=0.0), r"norm_eps must be positive, got 0.0"),
+    "parallel residual with post-LN": (
+        dict(use_parallel_residual=True, norm_placement="post"),
+        r"use_parallel_residual=True needs norm_placement='pre'.*'post'",
+    ),
+    "parallel residual with sandwich": (
+        dict(use_parallel_residual=True, norm_placement="sandwich"),
+        r"use_parallel_residual=True needs norm_placement='pre'.*'sandwich'",
+    ),
+}
+for _size in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
+    BAD_CONFIGS[f"zero {_size}"] = (dict({_size: 0}), rf"{_size} must be a positive integer, got 0")
+for _size in ("num_key_value_heads", "head_dim", "intermediate_size"):
+    BAD_CONFIGS[f"zero {_size}"] = (dict({_size: 0}), rf"{_size} must be a positive integer, got 0")
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_raises_value_error(case):
+    """Each invalid setting raises ValueError (not a huggingface_hub strict-dataclass error) naming the problem."""
+    overrides, message = BAD_CONFIGS[case]
+    with pytest.raises(ValueError, match=message):
+        DecoderLabConfig(**{"hidden_size": 64, "num_attention_heads": 4, **overrides})
+
+
+LITERAL_FIELDS = [
+    name for name, hint in DecoderLabConfig.__annotations__.items() if typing.get_origin(hint) is typing.Literal
+]
+
+
+def test_every_choice_field_is_checked():
+    """The list below is derived from the annotations; guard against it silently becoming empty."""
+    assert set(LITERAL_FIELDS) >= {"position_embedding_type", "norm_placement", "norm_type", "mlp_type", "hidden_act"}
+
+
+@pytest.mark.parametrize("field", LITERAL_FIELDS)
+def test_unknown_choice_names_field_value_and_choices(field):
+    """An unknown choice for any closed set of options is a ValueError listing what is allowed."""
+    allowed = typing.get_args(DecoderLabConfig.__annotations__[field])
+    with pytest.raises(ValueError) as info:
+        DecoderLabConfig(**{field: "bogus"})
+    message = str(info.value)
+    assert field in message and "bogus" in message
+    assert all(repr(choice) in message for choice in allowed)
+
+
+def test_unknown_choice_in_config_json(tmp_path):
+    """A config.json edited by hand with an unknown choice fails at AutoConfig.from_pretrained with a ValueError."""
+    DecoderLabConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["norm_placement"] = "middle"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"(?s)norm_placement.*'pre', 'post', 'sandwich'.*middle"):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+def test_invalid_combination_in_config_json(tmp_path):
+    """A config.json whose fields clash (not a single bad field) is refused the same way."""
+    DecoderLabConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["num_key_value_heads"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        AutoConfig.from_pretrained(tmp_path)

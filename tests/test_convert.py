@@ -1,0 +1,379 @@
+"""decoderlab.convert: Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, and decoderlab to Llama.
+
+The reference is always transformers' own implementation: a random-weight LlamaForCausalLM,
+GPT2LMHeadModel or GPTNeoXForCausalLM built here, saved, converted, and compared logit for logit
+(fp32, atol 1e-5, which an exact GELU in place of GPT-2's tanh approximation already exceeds) and
+token for token under greedy decoding.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+from decoderlab.convert import convert_from, convert_to_llama, llama_config_from_decoderlab, main
+
+VOCAB = 99
+SIZES = dict(vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=None, eos_token_id=None)
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    return LlamaForCausalLM(
+        LlamaConfig(
+            **SIZES, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, **overrides
+        )
+    )
+
+
+def gpt2(**overrides) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=64,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=None,
+            eos_token_id=None,
+            **overrides,
+        )
+    )
+
+
+def neox(**overrides) -> GPTNeoXForCausalLM:
+    return GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            **SIZES, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, **overrides
+        )
+    )
+
+
+# (family, reference builder, overrides): the shapes each converter must get right
+SOURCES = {
+    "llama-gqa-theta5e5-untied": (
+        "llama",
+        llama,
+        dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+    ),
+    "llama-mqa-tied-biases-headdim-linear-rope": (
+        "llama",
+        llama,
+        dict(
+            num_key_value_heads=1,
+            head_dim=32,  # != hidden / heads
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            hidden_act="gelu_pytorch_tanh",
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        ),
+    ),
+    "gpt2-tied": ("gpt2", gpt2, {}),
+    "gpt2-untied-unscaled": ("gpt2", gpt2, dict(tie_word_embeddings=False, scale_attn_weights=False, n_inner=96)),
+    "neox-parallel-quarter-rotary": ("neox", neox, dict(use_parallel_residual=True, rotary_pct=0.25)),
+    "neox-sequential-half-rotary-tied": (
+        "neox",
+        neox,
+        dict(use_parallel_residual=False, rotary_pct=0.5, rotary_emb_base=20000, tie_word_embeddings=True),
+    ),
+}
+
+
+@pytest.fixture
+def ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 10))
+
+
+def assert_same_model(reference, converted, ids: torch.Tensor) -> None:
+    """Same logits (atol 1e-5) and the same greedy continuation, through converted's KV cache."""
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
+        greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(converted.generate(ids, **greedy), reference.generate(ids, **greedy))
+
+
+def saved(model, folder):
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", list(SOURCES))
+def test_convert_from_matches_reference(case, tmp_path, randomize, ids):
+    """Each family's converter maps config and weights so that decoderlab computes what transformers'
+    own model computes: GQA/MQA, explicit head_dim, RoPE theta and scaling, partial rotary, parallel and
+    sequential NeoX blocks, GPT-2's Conv1D and fused q/k/v, NeoX's per-head fused q/k/v, tied and untied heads.
+    Query and key weights go across unpermuted: equal logits confirm that HF Llama, HF GPT-NeoX and decoderlab
+    share one RoPE layout (rotate_half over the two halves of each head's rotary part)."""
+    family, build, overrides = SOURCES[case]
+    reference = randomize(build(**overrides)).eval()
+    dst = convert_from(family, saved(reference, tmp_path / "src"), tmp_path / "dst")
+    converted = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert isinstance(converted, DecoderLabForCausalLM)
+    assert converted.config.tie_word_embeddings == reference.config.tie_word_embeddings
+    assert_same_model(reference, converted, ids)
+
+
+def test_dtype_is_kept(tmp_path, randomize):
+    """A bfloat16 checkpoint stays bfloat16, bit for bit: tensors are moved, never cast, and config.json
+    says so, so from_pretrained's default dtype="auto" loads it in bfloat16 too."""
+    reference = randomize(neox()).to(torch.bfloat16)
+    dst = convert_from("neox", saved(reference, tmp_path / "src"), tmp_path / "dst")
+    assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
+    converted = AutoModelForCausalLM.from_pretrained(dst)
+    assert converted.dtype == torch.bfloat16
+    qkv = reference.gpt_neox.layers[0].attention.query_key_value.weight.unflatten(0, (4, 3, 16))  # (nh, q/k/v, hs, C)
+    assert torch.equal(converted.model.layers[0].self_attn.k_proj.weight, qkv[:, 1].flatten(0, 1))
+
+
+def test_tolerance_catches_exact_gelu_for_gpt2(tmp_path, randomize, ids):
+    """The 1e-5 tolerance above has teeth: GPT-2 converted with the exact GELU instead of its tanh
+    approximation ("gelu_new") already differs by more, so a converter that got hidden_act wrong fails."""
+    reference = randomize(gpt2()).eval()
+    dst = convert_from("gpt2", saved(reference, tmp_path / "src"), tmp_path / "dst")
+    wrong = AutoModelForCausalLM.from_pretrained(dst, hidden_act="gelu").eval()
+    with torch.no_grad():
+        assert (wrong(ids).logits - reference(ids).logits).abs().max() > 1e-5
+
+
+def hub_layout(folder, family: str) -> None:
+    """Rewrite a checkpoint saved by transformers 5 the way the original Hub files store it: GPT-2
+    (openai-community/gpt2) without the "transformer." prefix and with causal-mask buffers; Pythia with
+    mask and RoPE buffers in its layers (transformers 5 already saves its head as "embed_out", as Pythia does)."""
+    tensors = load_file(folder / "model.safetensors")
+    if family == "gpt2":
+        tensors = {name.removeprefix("transformer."): t for name, t in tensors.items()}
+        tensors["h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
+        tensors["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    else:
+        assert "embed_out.weight" in tensors
+        tensors["gpt_neox.layers.0.attention.bias"] = torch.ones(1, 1, 64, 64, dtype=torch.bool)
+        tensors["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
+        tensors["gpt_neox.layers.0.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("family, build", [("gpt2", gpt2), ("neox", neox)])
+def test_original_hub_layouts_convert(family, build, tmp_path, randomize, ids):
+    """Real GPT-2 and Pythia files differ from what transformers 5 saves (no prefix, embed_out, stored
+    buffers); the converter reads them, skipping the buffers, rather than only its own round trips."""
+    reference = randomize(build()).eval()
+    src = saved(reference, tmp_path / "src")
+    hub_layout(src, family)
+    dst = convert_from(family, src, tmp_path / "dst")
+    assert_same_model(reference, AutoModelForCausalLM.from_pretrained(dst).eval(), ids)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    words = ["<unk>", "<s>", "</s>", "to", "be", "or", "not", "that", "is", "the", "question"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_tokenizer_and_generation_config_are_carried_over(tmp_path, randomize):
+    """The tokenizer and generation settings travel with the weights, so DST is usable on its own."""
+    src = saved(randomize(gpt2()), tmp_path / "src")
+    tiny_tokenizer().save_pretrained(src)
+    dst = convert_from("gpt2", src, tmp_path / "dst")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (dst / name).read_bytes() == (src / name).read_bytes(), name
+    text = "to be or not to be that is the question"
+    assert AutoTokenizer.from_pretrained(dst)(text).input_ids == tiny_tokenizer()(text).input_ids == [
+        3, 4, 5, 6, 3, 4, 7, 8, 9, 10,
+    ]  # fmt: skip
+
+
+def test_converted_folder_loads_with_remote_code_alone(tmp_path, randomize, ids):
+    """DST carries decoderlab's code and auto_map: a Python that never imports decoderlab loads it with
+    trust_remote_code=True and computes the reference's logits."""
+    reference = randomize(neox()).eval()
+    dst = convert_from("neox", saved(reference, tmp_path / "src"), tmp_path / "dst")
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True).eval()\n"
+        "assert 'decoderlab' not in sys.modules, 'the installed package was imported'\n"
+        "assert type(model).__module__.startswith('transformers_modules'), type(model).__module__\n"
+        f"with torch.no_grad(): torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'logits.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=120)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), reference(ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_decoderlab_llama_decoderlab_round_trip(tied, tmp_path, randomize, ids):
+    """--to llama writes a checkpoint that plain transformers loads as LlamaForCausalLM (no remote code)
+    with the same logits, and --from llama brings back exactly the same weights and config. Small shards
+    make both directions write and read a sharded checkpoint with its index."""
+    config = DecoderLabConfig.from_preset(
+        "llama",
+        **SIZES,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        tie_word_embeddings=tied,
+    )
+    original = randomize(DecoderLabForCausalLM(config)).eval()
+    src = saved(original, tmp_path / "decoderlab")
+    exported = convert_to_llama(src, tmp_path / "llama", max_shard_size="20KB")
+
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "llama"
+    assert "auto_map" not in json.loads((exported / "config.json").read_text())
+    assert not list(exported.glob("*.py")) and len(list(exported.glob("*.safetensors"))) > 1
+    as_llama = AutoModelForCausalLM.from_pretrained(exported).eval()  # no trust_remote_code
+    assert type(as_llama) is LlamaForCausalLM
+    assert_same_model(original, as_llama, ids)
+
+    back = AutoModelForCausalLM.from_pretrained(convert_from("llama", exported, tmp_path / "back", "20KB"))
+    before, after = original.state_dict(), back.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    volatile = {"architectures", "auto_map", "transformers_version", "_name_or_path", "dtype"}
+    assert {k: v for k, v in back.config.to_dict().items() if k not in volatile} == {
+        k: v for k, v in original.config.to_dict().items() if k not in volatile
+    }
+
+
+def test_llama_export_refusal_lists_every_field_in_the_way():
+    """A configuration Llama cannot express is refused with one error naming every offending field and
+    value, so the user fixes them all at once; a Llama-shaped config with any activation, tying, GQA,
+    biases or head_dim is accepted."""
+    vaswani = DecoderLabConfig.from_preset("vaswani", "nano")
+    with pytest.raises(ValueError) as refused:
+        llama_config_from_decoderlab(vaswani)
+    for field in ("norm_placement='post'", "norm_type='layernorm'", "norm_bias=True", "position_embedding_type="):
+        assert field in str(refused.value)
+
+    neox_like = DecoderLabConfig.from_preset("neox", "nano", qk_norm=True, attention_scale=1.0)
+    with pytest.raises(ValueError) as refused:
+        llama_config_from_decoderlab(neox_like)
+    message = str(refused.value)
+    for field in (
+        "use_parallel_residual=True",
+        "norm_type='layernorm'",
+        "partial_rotary_factor']=0.25",
+        "mlp_type='plain'",
+        "qk_norm=True",
+        "attention_scale=1.0",
+    ):
+        assert field in message
+    assert "norm_placement" not in message and "position_embedding_type" not in message  # those are Llama's
+
+    accepted = DecoderLabConfig.from_preset(
+        "llama", "nano", hidden_act="gelu", tie_word_embeddings=True, num_key_value_heads=1, head_dim=16,
+        attention_bias=True, mlp_bias=True, attention_scale=16**-0.5,
+    )  # fmt: skip
+    assert llama_config_from_decoderlab(accepted).head_dim == 16
+
+
+def test_export_refusal_writes_nothing(tmp_path, randomize):
+    """A refused export stops before DST is created: no half-written checkpoint to mistake for a good one."""
+    src = saved(
+        DecoderLabForCausalLM(
+            DecoderLabConfig.from_preset(
+                "gpt2", vocab_size=VOCAB, num_hidden_layers=1, hidden_size=32, num_attention_heads=2
+            )
+        ),
+        tmp_path / "src",
+    )
+    with pytest.raises(ValueError, match="position_embedding_type='learned'"):
+        convert_to_llama(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_wrong_family_is_named(tmp_path):
+    """--from gpt2 on a Llama folder (or --to llama on one) names the model_type found and the one
+    expected, and suggests the right flag, instead of failing on a tensor name."""
+    src = saved(llama(), tmp_path / "src")
+    with pytest.raises(ValueError, match=r"'llama' checkpoint .* --from gpt2 expects 'gpt2'\. Use --from llama\."):
+        convert_from("gpt2", src, tmp_path / "dst")
+    with pytest.raises(ValueError, match=r"'llama' checkpoint .* --to llama expects 'decoderlab'"):
+        convert_to_llama(src, tmp_path / "dst")
+    with pytest.raises(ValueError, match="Unknown source family 'gpt3'"):
+        convert_from("gpt3", src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_gpt2_switches_decoderlab_lacks_are_refused(tmp_path):
+    """GPT-2's per-layer attention scale changes what the model computes; it is refused by name rather
+    than dropped, which would convert into a model with different outputs."""
+    src = saved(gpt2(scale_attn_by_inverse_layer_idx=True), tmp_path / "src")
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx=True"):
+        convert_from("gpt2", src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_unknown_and_missing_tensors_are_listed(tmp_path, randomize):
+    """A checkpoint whose tensors do not match its config (an extra tensor, a missing one) is refused
+    with their names before anything is written, never converted into a silently broken model."""
+    src = saved(gpt2(), tmp_path / "src")
+    tensors = load_file(src / "model.safetensors")
+    tensors["transformer.h.0.attn.rotary.weight"] = torch.zeros(2)
+    del tensors["transformer.h.1.mlp.c_fc.bias"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as refused:
+        convert_from("gpt2", src, tmp_path / "dst")
+    assert "h.0.attn.rotary.weight" in str(refused.value)
+    assert "model.layers.1.mlp.up_proj.bias" in str(refused.value)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_bad_sources_and_destinations_are_refused(tmp_path):
+    """Clear errors for a SRC that is neither a folder nor a Hub repo id, a folder without safetensors
+    weights or config, and a DST that already holds files."""
+    with pytest.raises(ValueError, match="neither a local folder nor a Hub repo"):
+        convert_from("llama", tmp_path / "missing", tmp_path / "dst")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="No config.json"):
+        convert_from("llama", tmp_path / "empty", tmp_path / "dst")
+    src = saved(llama(), tmp_path / "src")
+    (src / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="No safetensors weights"):
+        convert_from("llama", src, tmp_path / "dst")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not an empty folder"):
+        convert_from("llama", src, tmp_path / "full")
+
+
+def test_cli_both_directions(tmp_path, randomize, ids, capsys):
+    """``python -m decoderlab.convert`` runs each direction (Llama -> decoderlab -> Llama gives back the
+    reference's logits) and reports a refusal as an error message and exit status 1, not a traceback."""
+    reference = randomize(llama(num_key_value_heads=2)).eval()
+    src = saved(reference, tmp_path / "src")
+    main(["--from", "llama", str(src), str(tmp_path / "decoderlab")])
+    main(["--to", "llama", str(tmp_path / "decoderlab"), str(tmp_path / "llama")])
+    assert_same_model(reference, LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval(), ids)
+
+    vaswani = saved(
+        DecoderLabForCausalLM(
+            DecoderLabConfig.from_preset(
+                "vaswani", vocab_size=VOCAB, num_hidden_layers=1, hidden_size=32, num_attention_heads=2
+            )
+        ),
+        tmp_path / "vaswani",
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["--to", "llama", str(vaswani), str(tmp_path / "refused")])
+    assert exited.value.code == 1
+    assert "error: A Llama checkpoint cannot express" in capsys.readouterr().err

@@ -1,0 +1,318 @@
+"""The Transformer mechanics decoderlab makes switchable, each shown on the model's own modules.
+
+Attention scale, position encodings (RoPE shift invariance, absolute positions, partial rotary,
+the sinusoidal table), causality, multi-head / grouped-query / multi-query attention against a
+per-head loop written here, QK-norm, and every norm placement against its equation.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import GPTNeoXConfig, LlamaConfig
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from decoderlab.modeling_decoderlab import DecoderLabAttention, DecoderLabRotaryEmbedding
+
+
+def causal_mask(T: int) -> torch.Tensor:
+    """(1, 1, T, T) additive mask: 0 on and below the diagonal, -inf above."""
+    return torch.full((T, T), float("-inf")).triu(1)[None, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention scale
+
+
+def dot_product_variance(tiny_config, head_dim: int, attention_scale: float | None) -> float:
+    """Mean over queries of Var_j(scale * q.k_j), read from the attention weights of a one-head module.
+
+    q_proj and k_proj are random orthogonal maps of unit-variance inputs, so q and k have unit-variance
+    components. log(softmax(s)) = s - logsumexp(s), so each row of log-weights is the row of scaled
+    scores shifted by a constant, with the same variance.
+    """
+    config = tiny_config(
+        hidden_size=head_dim, num_attention_heads=1, attention_scale=attention_scale, position_embedding_type="none"
+    )
+    config._attn_implementation = "eager"  # returns the weights
+    attn = DecoderLabAttention(config, layer_idx=0).eval()
+    torch.nn.init.orthogonal_(attn.q_proj.weight)
+    torch.nn.init.orthogonal_(attn.k_proj.weight)
+    x = torch.randn(64, 32, head_dim)  # (B, T, C): independent unit-variance tokens
+    with torch.no_grad():
+        _, weights = attn(x, attention_mask=None)  # no mask: every query sees all 32 keys
+    return weights.double().log().var(dim=-1).mean().item()
+
+
+def test_scale_keeps_dot_product_variance_near_one(tiny_config):
+    """Vaswani et al.'s 1/sqrt(d_k) keeps Var(q.k) near 1 at every d_k; unscaled it grows like d_k."""
+    for head_dim in (4, 16, 64):
+        scaled = dot_product_variance(tiny_config, head_dim, None)
+        unscaled = dot_product_variance(tiny_config, head_dim, 1.0)
+        assert 0.8 < scaled < 1.25, (head_dim, scaled)
+        assert 0.8 < unscaled / head_dim < 1.25, (head_dim, unscaled)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim(tiny_model, randomize):
+    """attention_scale=None is exactly 1/sqrt(head_dim); another scale (here 1.0, no scaling) changes the outputs."""
+    default = tiny_model()
+    x = torch.randint(0, 99, (2, 12))
+    explicit = tiny_model(attention_scale=16**-0.5)
+    unscaled = tiny_model(attention_scale=1.0)
+    explicit.load_state_dict(default.state_dict())
+    unscaled.load_state_dict(default.state_dict())
+    with torch.no_grad():
+        logits = default(x).logits
+        torch.testing.assert_close(explicit(x).logits, logits, rtol=0, atol=1e-6)
+        assert (unscaled(x).logits - logits).abs().max() > 0.1
+
+
+def test_qk_norm_changes_outputs(tiny_model):
+    """qk_norm=True inserts a norm on each head's q and k: same other weights, different logits."""
+    plain = tiny_model()
+    normed = tiny_model(qk_norm=True)
+    missing, unexpected = normed.load_state_dict(plain.state_dict(), strict=False)
+    assert unexpected == [] and missing and all(".q_norm." in k or ".k_norm." in k for k in missing)
+    x = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        assert (normed(x).logits - plain(x).logits).abs().max() > 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-head attention against a per-head loop
+
+
+def reference_attention(attn: DecoderLabAttention, config, x, cos=None, sin=None) -> torch.Tensor:
+    """Causal attention one head at a time, then concatenate and project with o_proj.
+
+    Query head h reads key/value head h // (heads / kv_heads). RoPE (if cos/sin are given) is
+    transformers' GPT-NeoX rotation of the first cos.shape[-1] dimensions of each head.
+    """
+    nh, n_kv, hs = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    scale = config.attention_scale if config.attention_scale is not None else 1 / math.sqrt(hs)
+    q_all, k_all, v_all = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)  # (B, T, heads * hs)
+    T = x.shape[1]
+    outputs = []
+    for h in range(nh):
+        g = h // (nh // n_kv)
+        q = q_all[..., h * hs : (h + 1) * hs]  # (B, T, hs)
+        k = k_all[..., g * hs : (g + 1) * hs]
+        v = v_all[..., g * hs : (g + 1) * hs]
+        if config.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if cos is not None:
+            q, k = neox_apply_rotary_pos_emb(q[:, None], k[:, None], cos, sin)
+            q, k = q[:, 0], k[:, 0]
+        scores = q @ k.transpose(1, 2) * scale + causal_mask(T)[0]  # (B, T, T)
+        outputs.append(torch.softmax(scores, dim=-1) @ v)  # (B, T, hs)
+    return attn.o_proj(torch.cat(outputs, dim=-1))
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("partial_rotary_factor", [None, 1.0, 0.5])
+def test_attention_equals_per_head_loop(
+    tiny_config, randomize, attention_heads, attn_implementation, qk_norm, partial_rotary_factor
+):
+    """MHA, GQA and MQA (one batched op over all heads) equal a loop over heads, with and without RoPE
+    (full and partial, rotated by transformers' GPT-NeoX functions) and QK-norm."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": partial_rotary_factor or 1.0}
+    config = tiny_config(
+        **attention_heads,
+        qk_norm=qk_norm,
+        norm_type="layernorm",
+        position_embedding_type="rope" if partial_rotary_factor else "none",
+        rope_parameters=rope,
+    )
+    config._attn_implementation = attn_implementation
+    attn = randomize(DecoderLabAttention(config, layer_idx=0)).eval()
+    x = torch.randn(2, 10, config.hidden_size)
+    position_ids = torch.arange(10)[None].expand(2, -1)
+    ours_pe = theirs_pe = (None, None)
+    if partial_rotary_factor:
+        ours_pe = DecoderLabRotaryEmbedding(config)(x, position_ids)
+        neox = GPTNeoXConfig(hidden_size=64, num_attention_heads=4, rope_parameters=rope)
+        theirs_pe = GPTNeoXRotaryEmbedding(neox)(x, position_ids)
+    with torch.no_grad():
+        ours, _ = attn(
+            x, position_embeddings=ours_pe if partial_rotary_factor else None, attention_mask=causal_mask(10)
+        )
+        expected = reference_attention(attn, config, x, *theirs_pe)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions
+
+
+def test_rope_is_invariant_to_shifting_positions_but_absolute_positions_are_not(tiny_model, position_type):
+    """RoPE (and no positions) depend only on relative offsets: adding a constant to every position id
+    leaves the logits unchanged. Sinusoidal and learned absolute positions change them."""
+    model = tiny_model(position_embedding_type=position_type)
+    x = torch.randint(0, 99, (2, 16))
+    positions = torch.arange(16)[None].expand(2, -1)
+    with torch.no_grad():
+        difference = (model(x, position_ids=positions).logits - model(x, position_ids=positions + 37).logits).abs()
+    if position_type in ("rope", "none"):
+        assert difference.max() < 1e-4
+    else:
+        assert difference.max() > 0.1
+
+
+def test_partial_rotary_leaves_the_other_dimensions_unrotated(tiny_model):
+    """With partial_rotary_factor=0.5 only the first half of each head's q/k rotates (GPT-NeoX layout).
+
+    Zero the rotary half of every q_proj/k_proj: scores then come from unrotated dimensions only, so
+    even a non-shift change of positions (stretching them 3x) leaves the logits unchanged. Zero the
+    other half instead and the same change alters the logits.
+    """
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    x = torch.randint(0, 99, (1, 12))
+    positions = torch.arange(12)[None]
+    for zeroed, should_change in ((slice(0, 8), False), (slice(8, 16), True)):
+        model = tiny_model(rope_parameters=rope)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    proj.weight.view(-1, 16, 64)[:, zeroed] = 0.0  # (heads, head_dim, hidden)
+            difference = (model(x, position_ids=positions).logits - model(x, position_ids=3 * positions).logits).abs()
+        assert (difference.max() > 0.1) == should_change, (zeroed, difference.max())
+
+
+LLAMA_ROPE_TYPES = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("rope_type", list(LLAMA_ROPE_TYPES))
+def test_rope_tables_match_llama(tiny_config, rope_type):
+    """cos/sin equal transformers' LlamaRotaryEmbedding for the same settings, for each scaling type,
+    including positions past max_position_embeddings (where dynamic NTK scaling kicks in)."""
+    rope = {**LLAMA_ROPE_TYPES[rope_type], "rope_theta": 5e5}
+    ours = DecoderLabRotaryEmbedding(tiny_config(rope_parameters=dict(rope)))
+    llama_config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=64, rope_parameters=dict(rope)
+    )
+    theirs = LlamaRotaryEmbedding(llama_config)
+    x = torch.randn(1, 100, 64)
+    for positions in (torch.arange(50)[None], torch.arange(100)[None]):
+        for mine, reference in zip(ours(x, positions), theirs(x, positions)):
+            torch.testing.assert_close(mine, reference, rtol=0, atol=1e-6)
+
+
+def test_sinusoidal_table_is_vaswani(tiny_model):
+    """PE(p, 2i) = sin(p / 10000^(2i/C)) and PE(p, 2i+1) = cos(p / 10000^(2i/C)), added to the token embeddings."""
+    model = tiny_model(position_embedding_type="sinusoidal")
+    C, P = 64, 64
+    expected = torch.tensor(
+        [[(math.sin if j % 2 == 0 else math.cos)(p / 10000 ** ((j - j % 2) / C)) for j in range(C)] for p in range(P)]
+    )
+    torch.testing.assert_close(model.model.embed_positions.table, expected, rtol=0, atol=1e-5)
+    x = torch.randint(0, 99, (1, 20))
+    with torch.no_grad():
+        first_layer_input = model(x, output_hidden_states=True).hidden_states[0]
+    torch.testing.assert_close(first_layer_input, model.model.embed_tokens(x) + expected[:20], rtol=0, atol=1e-5)
+
+
+def test_learned_positions_are_added_to_the_embeddings(tiny_model):
+    """Learned absolute positions: the first layer sees embed_tokens(x) + embed_positions.weight[position]."""
+    model = tiny_model(position_embedding_type="learned")
+    x = torch.randint(0, 99, (1, 20))
+    positions = torch.arange(5, 25)[None]
+    with torch.no_grad():
+        first_layer_input = model(x, position_ids=positions, output_hidden_states=True).hidden_states[0]
+        expected = model.model.embed_tokens(x) + model.model.embed_positions.weight[5:25]
+    torch.testing.assert_close(first_layer_input, expected, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Causality
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_future_tokens_do_not_change_past_logits(tiny_model, position_type, block_variant, attn_implementation):
+    """Changing token t+1 leaves the logits at positions <= t unchanged, and does change those at t+1."""
+    model = tiny_model(position_embedding_type=position_type, **block_variant)
+    model.set_attn_implementation(attn_implementation)
+    x = torch.randint(0, 99, (1, 16))
+    t = 9
+    changed = x.clone()
+    changed[0, t + 1] = (x[0, t + 1] + 1) % 99
+    with torch.no_grad():
+        before, after = model(x).logits, model(changed).logits
+    torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=1e-5)
+    assert (after[:, t + 1] - before[:, t + 1]).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# Norm placement: each block equals its equation, built from the block's own submodules
+
+
+def block_equation(layer, x, attend, variant: str) -> torch.Tensor:
+    mlp = layer.mlp
+    if variant == "pre":  # h = x + Attn(LN_1(x)); out = h + MLP(LN_2(h))
+        h = x + attend(layer.input_layernorm(x))
+        return h + mlp(layer.post_attention_layernorm(h))
+    if variant == "post":  # h = LN_1(x + Attn(x)); out = LN_2(h + MLP(h))
+        h = layer.post_attention_layernorm(x + attend(x))
+        return layer.post_feedforward_layernorm(h + mlp(h))
+    if variant == "sandwich":  # h = x + LN_b(Attn(LN_a(x))); out = h + LN_d(MLP(LN_c(h)))
+        h = x + layer.post_attention_layernorm(attend(layer.input_layernorm(x)))
+        return h + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(h)))
+    # parallel: out = x + Attn(LN_1(x)) + MLP(LN_2(x))
+    return x + attend(layer.input_layernorm(x)) + mlp(layer.post_attention_layernorm(x))
+
+
+BLOCK_NORMS = {
+    "pre": {"input_layernorm", "post_attention_layernorm"},
+    "post": {"post_attention_layernorm", "post_feedforward_layernorm"},
+    "sandwich": {
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    },
+    "parallel": {"input_layernorm", "post_attention_layernorm"},
+}
+
+
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+def test_each_block_equals_its_equation(tiny_model, block_variant, norm_type):
+    """Every layer of every placement computes its equation (norm weights randomized, so swapping two
+    norms would show), has exactly the norms the equation names, and the model stacks the blocks with a
+    final norm for every placement but post-LN (whose blocks already end in one)."""
+    variant = "parallel" if block_variant.get("use_parallel_residual") else block_variant["norm_placement"]
+    model = tiny_model(norm_type=norm_type, **block_variant)
+    x = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(x)
+        position_embeddings = model.model.rotary_emb(hidden, torch.arange(12)[None].expand(2, -1))
+        mask = causal_mask(12)
+        for layer in model.model.layers:
+            norms = {name for name, _ in layer.named_children() if name.endswith("layernorm")}
+            assert norms == BLOCK_NORMS[variant]
+
+            def attend(h, layer=layer):
+                return layer.self_attn(h, position_embeddings=position_embeddings, attention_mask=mask)[0]
+
+            expected = block_equation(layer, hidden, attend, variant)
+            torch.testing.assert_close(
+                layer(hidden, attention_mask=mask, position_embeddings=position_embeddings), expected, rtol=0, atol=1e-5
+            )
+            hidden = expected
+        if variant != "post":
+            hidden = model.model.norm(hidden)
+        torch.testing.assert_close(model(x).logits, model.lm_head(hidden), rtol=0, atol=1e-4)
+    assert (variant == "post") == (sum(p.numel() for p in model.model.norm.parameters()) == 0)
