@@ -11,7 +11,9 @@ OUT ?= out/shakespeare_char
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint clean
+OLAH_VENV ?= .venv-olah
+
+.PHONY: venv olah demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,16 +24,25 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# olah (an open-source Hub mirror) serves a test repository in tests/test_hub.py; its own venv
+# keeps its dependencies apart from ours
+$(OLAH_VENV)/.installed:
+	python3 -m venv $(OLAH_VENV)
+	$(OLAH_VENV)/bin/pip install -q olah==0.5.4
+	touch $@
+
+olah: $(OLAH_VENV)/.installed
+
 demo: venv
 	$(PY) training/pretrain.py --config training/configs/shakespeare_char.yaml \
 		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
 	$(PY) training/generate.py $(OUT) --prompt "ROMEO:" --max_new_tokens 300
 
-test: venv
+test: venv olah
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(OLAH_VENV) out

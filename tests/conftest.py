@@ -15,6 +15,13 @@ Fixtures here are generic on purpose (several test files use them); do not renam
 - ``all_block_variants``: the same block layouts as one dict, for a test that covers them all in one go.
 """
 
+import os
+
+# No test may reach the real Hub (huggingface_hub reads this at import; the Hub tests talk only to
+# servers they start on 127.0.0.1).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import typing
 
 import pytest
