@@ -1,0 +1,332 @@
+"""Speed of decoderlab against transformers' Llama and GPT-2 and against nanoGPT, side by side.
+
+    python -m benchmarks.speed            # everything, about 11 minutes on 2 cores; JSON to benchmarks/results/
+    python -m benchmarks.speed --quick    # nano only, fewer repeats and tokens, about 5 minutes
+
+Each comparison builds decoderlab and the reference for the same configuration with the same weights
+(their logits are checked to agree first), feeds them the same inputs, and runs them interleaved
+(A B A B ...) so that a change in machine load hits both; figures are medians over the repeats, and
+every ratio is decoderlab / reference from the same run. fp32 on CPU, ``--threads`` intra-op threads.
+
+- train: forward + backward + AdamW (fused, same settings for both) on one batch; tokens/s.
+- memory: peak resident memory a training run adds, each model alone in a fresh process; MB.
+- decode: greedy ``generate`` with the default (dynamic) KV cache at batch 1 and 8; new tokens/s.
+- prefill: one forward over a 512-token prompt filling a fresh cache; ms.
+- compile: ``generate(cache_implementation="static")`` with ``model.forward = torch.compile(...)``, against
+  the reference compiled the same way and against the reference's plain ``generate``; new tokens/s.
+
+References: ``LlamaForCausalLM`` (decoderlab's ``llama`` preset), ``GPT2LMHeadModel`` (``gpt2`` preset),
+both with SDPA attention, and nanoGPT (benchmarks/reference_nanogpt.py) for training at nano, against
+decoderlab both nanoGPT-shaped (same weights) and Llama-shaped (the default architecture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import transformers
+
+from benchmarks.common import (
+    SIZES,
+    Pair,
+    Size,
+    generate_fn,
+    gpt2_pair,
+    interleaved_medians,
+    llama_pair,
+    load_average,
+    max_logit_difference,
+    nanogpt_pairs,
+    peak_training_memory,
+    prefill_fn,
+    train_step_fn,
+)
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "speed.json"
+BENCHMARKS = ("train", "memory", "decode", "prefill", "compile")
+
+
+def result(benchmark: str, size: str, pair: Pair, unit: str, ours: float, reference: float, **extra) -> dict:
+    """One row: both figures, the ratio decoderlab / reference, and the load while it was measured."""
+    return {
+        "benchmark": benchmark,
+        "size": size,
+        "reference": pair.reference_label,
+        "pair": pair.name,
+        "unit": unit,
+        "decoderlab": ours,
+        "reference_value": reference,
+        "ratio": ours / reference,
+        **extra,
+    }
+
+
+def check_same_weights(pair: Pair, size: Size) -> float:
+    difference = max_logit_difference(pair, size)
+    if difference > 1e-4:
+        raise RuntimeError(f"{pair.name}: decoderlab and {pair.reference_label} disagree by {difference:.2e}.")
+    return difference
+
+
+def bench_train(size_name: str, repeats: int) -> list[dict]:
+    size = SIZES[size_name]
+    tokens = size.batch_size * size.block_size
+    pairs = [llama_pair(size), gpt2_pair(size)] + (nanogpt_pairs(size) if size_name == "nano" else [])
+    rows = []
+    for pair in pairs:
+        if pair.name != "nanogpt-llama-shaped":
+            check_same_weights(pair, size)
+        load = load_average()
+        times = interleaved_medians(
+            {"ours": train_step_fn(pair.ours, size), "reference": train_step_fn(pair.reference, size)},
+            repeats=repeats,
+            warmup=2,
+            inner=2 if size_name == "nano" else 1,
+        )
+        rows.append(
+            result(
+                "train tokens/s",
+                size_name,
+                pair,
+                "tokens/s",
+                tokens / times["ours"]["median_s"],
+                tokens / times["reference"]["median_s"],
+                load=[load, load_average()],
+                samples_s=times,
+            )
+        )
+    return rows
+
+
+def bench_memory(size_name: str) -> list[dict]:
+    rows = []
+    for pair_name, ours, reference in (
+        ("llama", "decoderlab-llama", "LlamaForCausalLM"),
+        ("gpt2", "decoderlab-gpt2", "GPT2LMHeadModel"),
+    ):
+        load = load_average()
+        threads = torch.get_num_threads()
+        mine = peak_training_memory(ours, size_name, threads=threads)
+        theirs = peak_training_memory(reference, size_name, threads=threads)
+        pair = Pair(pair_name, None, None, reference)
+        rows.append(
+            result(
+                "train peak memory added",
+                size_name,
+                pair,
+                "MB",
+                mine["added_bytes"] / 2**20,
+                theirs["added_bytes"] / 2**20,
+                load=[load, load_average()],
+                detail={"decoderlab": mine, "reference": theirs},
+            )
+        )
+    return rows
+
+
+def decode_lengths(size_name: str, quick: bool) -> tuple[int, int]:
+    """(prompt tokens, new tokens) for the decoding benchmarks."""
+    new_tokens = {"nano": 48, "tiny": 64}[size_name]
+    return 16, new_tokens // 2 if quick else new_tokens
+
+
+def bench_decode(size_name: str, repeats: int, quick: bool) -> list[dict]:
+    size = SIZES[size_name]
+    prompt, new = decode_lengths(size_name, quick)
+    rows = []
+    for pair in (llama_pair(size), gpt2_pair(size)):
+        check_same_weights(pair, size)
+        for batch in (1, 8):
+            load = load_average()
+            times = interleaved_medians(
+                {
+                    name: generate_fn(model, batch, prompt, new, size.vocab_size)
+                    for name, model in (("ours", pair.ours), ("reference", pair.reference))
+                },
+                repeats=repeats,
+            )
+            rows.append(
+                result(
+                    f"decode tokens/s, batch {batch}",
+                    size_name,
+                    pair,
+                    "tokens/s",
+                    batch * new / times["ours"]["median_s"],
+                    batch * new / times["reference"]["median_s"],
+                    load=[load, load_average()],
+                    prompt_tokens=prompt,
+                    new_tokens=new,
+                    samples_s=times,
+                )
+            )
+    return rows
+
+
+def bench_prefill(size_name: str, repeats: int, prompt_length: int = 512) -> list[dict]:
+    size = SIZES[size_name]
+    rows = []
+    for pair in (llama_pair(size), gpt2_pair(size)):
+        load = load_average()
+        times = interleaved_medians(
+            {
+                "ours": prefill_fn(pair.ours, prompt_length, size.vocab_size),
+                "reference": prefill_fn(pair.reference, prompt_length, size.vocab_size),
+            },
+            repeats=repeats,
+            warmup=2,
+        )
+        rows.append(
+            result(
+                f"prefill {prompt_length} tokens, ms",
+                size_name,
+                pair,
+                "ms",
+                1e3 * times["ours"]["median_s"],
+                1e3 * times["reference"]["median_s"],
+                load=[load, load_average()],
+                samples_s=times,
+            )
+        )
+    return rows
+
+
+def bench_compile(size_name: str, repeats: int, quick: bool) -> list[dict]:
+    """Static cache + compiled forward, batch 1. The compiled models are also timed against the
+    reference's plain generate (dynamic cache, eager), the figure a user switching gets."""
+    size = SIZES[size_name]
+    prompt, new = decode_lengths(size_name, quick)
+    pair = llama_pair(size)
+    plain = generate_fn(copy.deepcopy(pair.reference), 1, prompt, new, size.vocab_size)  # stays uncompiled
+    compiled = {}
+    for name, model in (("ours", pair.ours), ("reference", pair.reference)):
+        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        compiled[name] = generate_fn(model, 1, prompt, new, size.vocab_size, cache_implementation="static")
+        start = time.perf_counter()
+        compiled[name]()  # compiles the prefill and decode graphs
+        compiled[name]()
+        compiled[f"{name}_compile_s"] = time.perf_counter() - start
+    load = load_average()
+    times = interleaved_medians(
+        {"ours": compiled["ours"], "reference": compiled["reference"], "plain": plain}, repeats=repeats
+    )
+    rate = {name: new / t["median_s"] for name, t in times.items()}
+    compile_s = {name: compiled[f"{name}_compile_s"] for name in ("ours", "reference")}
+    common = dict(load=[load, load_average()], prompt_tokens=prompt, new_tokens=new, compile_s=compile_s)
+    return [
+        result(
+            "decode tokens/s, static cache + compile",
+            size_name,
+            pair,
+            "tokens/s",
+            rate["ours"],
+            rate["reference"],
+            samples_s=times,
+            **common,
+        ),  # fmt: skip
+        result(
+            "decode tokens/s, static cache + compile vs plain generate",
+            size_name,
+            Pair("llama-plain", None, None, "LlamaForCausalLM, dynamic cache, eager"),
+            "tokens/s",
+            rate["ours"],
+            rate["plain"],
+            **common,
+        ),
+    ]
+
+
+def environment(threads: int) -> dict:
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "cpus": os.cpu_count(),
+        "threads": threads,
+        "dtype": "float32",
+        "start": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def format_table(rows: list[dict], header: bool = True) -> str:
+    title = (
+        f"{'benchmark':58s} {'size':5s} {'reference [pair]':52s} {'decoderlab':>11s} {'reference':>11s} {'ratio':>6s}"
+        "  load"
+    )
+    lines = [title, "-" * len(title)] if header else []
+    for row in rows:
+        lines.append(
+            f"{row['benchmark']:58s} {row['size']:5s} {row['reference'] + ' [' + row['pair'] + ']':52.52s} "
+            f"{row['decoderlab']:11.1f} {row['reference_value']:11.1f} {row['ratio']:6.2f}  "
+            f"{row['load'][0]:.1f}-{row['load'][1]:.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), default=None, help="default: nano tiny (nano with --quick)"
+    )
+    parser.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and tokens; nano only unless --sizes")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default 7, quick 3)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    args = parser.parse_args()
+    sizes = args.sizes or (["nano"] if args.quick else list(SIZES))
+    repeats = args.repeats or (3 if args.quick else 7)
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()  # generate's notes on unset sampling options, once per call
+
+    rows = []
+    report = {
+        "environment": environment(args.threads),
+        "sizes": {name: asdict(SIZES[name]) for name in sizes},
+        "repeats": repeats,
+        "results": rows,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    for size_name in sizes:
+        for benchmark in args.benchmarks:
+            print(f"[{time.strftime('%H:%M:%S')}] {benchmark} at {size_name} (load {load_average():.1f})", flush=True)
+            if benchmark == "train":
+                new_rows = bench_train(size_name, repeats)
+            elif benchmark == "memory":
+                new_rows = bench_memory(size_name)
+            elif benchmark == "decode":
+                new_rows = bench_decode(size_name, repeats, args.quick)
+            elif benchmark == "prefill":
+                new_rows = bench_prefill(size_name, repeats)
+            else:
+                new_rows = bench_compile(size_name, repeats, args.quick)
+            print(format_table(new_rows, header=False), flush=True)
+            rows += new_rows
+            args.json.write_text(json.dumps(report, indent=2) + "\n")  # after each benchmark: a crash keeps the rest
+    print()
+    print(format_table(rows))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
