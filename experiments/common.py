@@ -1,0 +1,471 @@
+"""What the experiments share: the command line, the data, training one small model, recording attention,
+figures and the report.
+
+Each experiment is a thin ``main(argv)`` over these helpers. Data loading, tokenizing, packing, the model
+factory and the training loop are ``training/``'s (the pretraining script's own), so an experiment's run is
+a pretraining run with a different configuration, not a second implementation of one.
+"""
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import pathlib
+import shlex
+import sys
+import tempfile
+import time
+import typing
+from dataclasses import dataclass, field
+
+import PIL.Image
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from matplotlib.figure import Figure
+from transformers import AttentionInterface, PreTrainedTokenizerBase
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from decoderlab import DecoderLabForCausalLM
+from decoderlab.modeling_decoderlab import eager_attention_forward, repeat_kv
+from training.args import TrainConfig
+from training.checkpointing import git_commit, hardware_description, package_versions
+from training.data import BlockBatches, block_tensor, load_text_splits, pack, prepare_data
+from training.loop import METRICS_NAME, NonFiniteLossError, make_accelerator, train
+from training.pretrain import build_model
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "experiments" / "results"
+# The offline copy sits beside the checkout; the Hub id is used when it is absent (as `make demo` does).
+LOCAL_DATASET = "../shared/data/tiny_shakespeare"
+HUB_DATASET = "karpathy/tiny_shakespeare"
+DPI = 80  # small PNGs: the committed results stay well under 1 MB
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: shared flags, plus one flag per field of the experiment's settings dataclass
+
+
+def parse_args(
+    name: str, description: str, default, quick, argv: list[str] | None
+) -> tuple[argparse.Namespace, typing.Any]:
+    """(flags, settings): ``settings`` is ``quick`` with ``--quick`` and ``default`` otherwise, with every
+    ``--FIELD VALUE`` given on the command line replacing that field."""
+    parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=description)
+    parser.add_argument("--quick", action="store_true", help="CI-sized smoke run: seconds, numbers meaningless")
+    parser.add_argument("--output_dir", default=None, help=f"report and plots (default: experiments/results/{name})")
+    parser.add_argument(
+        "--dataset_name",
+        default=None,
+        help=f"Hub dataset id or local Hub-layout folder (default: {LOCAL_DATASET} when present, else {HUB_DATASET})",
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: a GPU if present")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every model's weights and data order")
+    hints = typing.get_type_hints(type(default))
+    for f in dataclasses.fields(default):
+        parser.add_argument(
+            f"--{f.name}",
+            type=flag_type(hints[f.name]),
+            default=None,
+            help=f"(default {format_value(getattr(default, f.name))}; --quick {format_value(getattr(quick, f.name))})",
+        )
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA GPU. Use --device cpu or auto.")
+    base = quick if args.quick else default
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(base) if getattr(args, f.name) is not None}
+    return args, dataclasses.replace(base, **overrides)
+
+
+def flag_type(hint) -> typing.Callable[[str], typing.Any]:
+    """int, float, str, a comma-separated tuple of ints (``--depths 2,6,12``), or one of those or none."""
+    if type(None) in typing.get_args(hint):
+        (inner,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+        parse = flag_type(inner)
+        return lambda text: None if text.lower() == "none" else parse(text)
+    if hint is bool:
+        return boolean
+    if typing.get_origin(hint) is tuple:
+
+        def ints(text: str) -> tuple[int, ...]:
+            try:
+                return tuple(int(part) for part in text.split(","))
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"expected comma-separated integers like 2,6,12, got {text!r}"
+                ) from None
+
+        return ints
+    return hint
+
+
+def boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
+def format_value(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# A session: threads, seed, device, output and scratch folders, the clock
+
+
+@dataclass
+class Session:
+    name: str
+    args: argparse.Namespace
+    settings: typing.Any
+    argv: list[str]
+    output_dir: pathlib.Path
+    work_dir: pathlib.Path  # scratch: each training run's metrics and tokenizer; deleted at the end
+    device: torch.device
+    hardware: str = "?"  # set by the first Accelerator
+    started: float = field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def command(self) -> str:
+        return shlex.join(["python", "-m", f"experiments.{self.name}", *self.argv])
+
+    def log(self, message: str) -> None:
+        print(f"[{self.name} {self.elapsed():6.0f} s] {message}", flush=True)
+
+
+def start_session(name: str, args: argparse.Namespace, settings, argv: list[str] | None, scratch) -> Session:
+    """Threads and seed set, output folder created; ``scratch`` is the path of an existing scratch folder."""
+    torch.set_num_threads(args.threads)
+    set_seed(args.seed)
+    output_dir = pathlib.Path(args.output_dir) if args.output_dir else RESULTS_DIR / name
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.device == "auto":  # what Accelerate picks for the training runs too
+        device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(args.device)
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    return Session(name, args, settings, argv, output_dir, pathlib.Path(scratch), device)
+
+
+def run_experiment(name: str, doc: str, default, quick, run: typing.Callable, argv: list[str] | None) -> None:
+    """An experiment's ``main``: parse the command line, open a session with a scratch folder, ``run(session,
+    settings)``; the scratch folder (each training run's metrics and tokenizer) is deleted at the end."""
+    args, settings = parse_args(name, " ".join(doc.split("\n\n")[0].split()), default, quick, argv)  # 1st paragraph
+    with tempfile.TemporaryDirectory(prefix="decoderlab-experiment-") as scratch:
+        run(start_session(name, args, settings, argv, scratch), settings)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: training/'s loading, character tokenizer and packing
+
+
+def dataset_name(args: argparse.Namespace) -> str:
+    if args.dataset_name is not None:
+        return args.dataset_name
+    local = REPO_ROOT / LOCAL_DATASET
+    return str(local) if local.is_dir() else HUB_DATASET
+
+
+@dataclass
+class Corpus:
+    """Character-level Tiny Shakespeare packed into blocks: what every training run of an experiment reads."""
+
+    cfg: TrainConfig  # the data fields every run's TrainConfig starts from
+    tokenizer: PreTrainedTokenizerBase
+    train_blocks: torch.Tensor  # (N, block_size) token ids
+    eval_blocks: torch.Tensor  # (M, block_size): the first blocks of the validation split
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def validation_blocks(self, length: int, limit: int) -> torch.Tensor:
+        """(at most ``limit``, ``length``) blocks of the validation split, for evaluating at other lengths."""
+        cfg = dataclasses.replace(self.cfg, block_size=length)
+        _, validation = load_text_splits(cfg)
+        if validation is None:
+            raise ValueError(
+                f"{cfg.dataset_name} has no validation split, which this experiment evaluates on: pass a "
+                "--dataset_name that has one."
+            )
+        blocks = block_tensor(pack(validation, self.tokenizer, cfg, "validation"))
+        if len(blocks) == 0:
+            raise ValueError(f"The validation split of {cfg.dataset_name} is shorter than one block of {length}.")
+        return blocks[:limit]
+
+
+def load_corpus(session: Session, block_size: int, max_eval_blocks: int) -> Corpus:
+    cfg = TrainConfig(
+        dataset_name=dataset_name(session.args),
+        tokenizer_type="char",
+        block_size=block_size,
+        output_dir=str(session.work_dir / "data"),
+        per_device_train_batch_size=1,
+        seed=session.args.seed,
+    )
+    tokenizer, batches, eval_blocks = prepare_data(cfg, accelerator_for(session, cfg))
+    return Corpus(cfg, tokenizer, batches.blocks, eval_blocks[:max_eval_blocks])
+
+
+# ----------------------------------------------------------------------------------------------
+# Training one model with training/'s loop
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The optimisation of one run; everything else is the shakespeare_char recipe's (AdamW, betas 0.9/0.99)."""
+
+    steps: int
+    batch_size: int
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+    scheduler: str = "cosine_with_min_lr"  # a transformers scheduler name; cosine decays to 10 % of the peak
+    max_grad_norm: float | None = 1.0
+    log_every: int = 10
+    eval_every: int | None = None  # periodic evaluations on `eval_samples` blocks (the final one uses all)
+    eval_samples: int = 64
+
+
+@dataclass
+class Run:
+    name: str
+    model: DecoderLabForCausalLM | None  # trained (or as it was when it diverged), in eval mode; None once dropped
+    train_curve: list[tuple[int, float]]  # (step, mean training loss over the logging window)
+    eval_curve: list[tuple[int, float]]  # (step, validation loss), the last one over every eval block
+    diverged_by: int | None  # the logging step whose window held a NaN/inf loss; None if training finished
+    seconds: float
+
+    @property
+    def final_eval_loss(self) -> float:
+        return self.eval_curve[-1][1] if self.diverged_by is None else math.nan
+
+    @property
+    def final_train_loss(self) -> float:
+        return self.train_curve[-1][1] if self.train_curve and self.diverged_by is None else math.nan
+
+
+def fresh_model(corpus: Corpus, model_fields: dict, seed: int) -> DecoderLabForCausalLM:
+    """``training.pretrain.build_model``'s model for ``model_fields`` and the corpus's vocabulary, seeded."""
+    cfg = dataclasses.replace(corpus.cfg, seed=seed)
+    # Set after construction: TrainConfig coerces command-line strings, and would read the string "none"
+    # (position_embedding_type="none") as None. These values are typed already; build_model validates them.
+    cfg.model = dict(model_fields)
+    set_seed(seed)
+    return build_model(cfg, corpus.tokenizer)
+
+
+def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict, recipe: Recipe) -> Run:
+    """Train a fresh ``DecoderLabForCausalLM`` (``model_fields`` plus the tokenizer's vocabulary) with
+    ``training.loop.train``; the weights depend only on the seed and the fields, so two runs that
+    differ in a field with no parameters (``attention_scale``) start from identical weights."""
+    scheduler_kwargs = {"min_lr_rate": 0.1} if recipe.scheduler == "cosine_with_min_lr" else {}
+    cfg = dataclasses.replace(
+        corpus.cfg,
+        output_dir=str(session.work_dir / name),
+        per_device_train_batch_size=recipe.batch_size,
+        per_device_eval_batch_size=64,
+        learning_rate=recipe.learning_rate,
+        num_warmup_steps=recipe.warmup_steps,
+        lr_scheduler_type=recipe.scheduler,
+        lr_scheduler_kwargs=scheduler_kwargs,
+        max_grad_norm=recipe.max_grad_norm,
+        max_train_steps=recipe.steps,
+        logging_steps=recipe.log_every,
+        eval_steps=recipe.eval_every,
+        max_eval_samples=recipe.eval_samples,
+        checkpointing_steps=None,
+    )
+    model = fresh_model(corpus, model_fields, cfg.seed)
+    accelerator = accelerator_for(session, cfg)
+    batches = BlockBatches(corpus.train_blocks, recipe.batch_size, seed=cfg.seed)
+    started = time.perf_counter()
+    diverged_by = None
+    try:
+        result = train(model, batches, corpus.eval_blocks, cfg, accelerator, show_progress=False)
+        model = accelerator.unwrap_model(result.model)
+    except NonFiniteLossError:
+        model = accelerator.unwrap_model(model)  # train() wraps in place on one process; no-op otherwise
+    records = [json.loads(line) for line in (pathlib.Path(cfg.output_dir) / METRICS_NAME).read_text().splitlines()]
+    train_curve = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+    eval_curve = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if not eval_curve or eval_curve[-1][0] != recipe.steps:  # no final evaluation: the loop stopped early
+        logged = train_curve[-1][0] if train_curve else 0
+        diverged_by = min(logged + recipe.log_every, recipe.steps)
+    run = Run(name, model.eval(), train_curve, eval_curve, diverged_by, time.perf_counter() - started)
+    outcome = f"diverged by step {diverged_by}" if diverged_by else f"validation loss {run.final_eval_loss:.4f}"
+    session.log(f"{name}: {outcome} ({run.seconds:.0f} s)")
+    return run
+
+
+@torch.no_grad()
+def token_losses(model: DecoderLabForCausalLM, blocks: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+    """(N, T - 1) next-token losses of every position of ``blocks`` (N, T)."""
+    device = next(model.parameters()).device
+    losses = []
+    for chunk in blocks.split(batch_size):
+        input_ids = chunk.long().to(device)
+        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]  # (B, T - 1, V)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+        losses.append(loss.float().cpu())
+    return torch.cat(losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording attention: the model's own attention, through a registered attention function
+
+
+RECORDING_ATTENTION = "decoderlab_experiments_recording"
+
+
+class AttentionRecorder:
+    """Inside ``with AttentionRecorder(config) as rec:``, every attention call of a module built from
+    ``config`` appends its scores ``Q K^T * scale`` (B, nh, T, S) to ``rec.scores`` (before the causal
+    mask and the softmax) and its weights to ``rec.weights``, in call order (layer 0 first).
+
+    The module's q, k, v (after RoPE and the KV cache) reach decoderlab's own eager kernel unchanged; the
+    function is registered with transformers' attention and mask interfaces (the eager causal mask), so
+    the model computes exactly what ``attn_implementation="eager"`` computes. Weights keep their graph,
+    so gradients can flow through them.
+    """
+
+    def __init__(self, config):
+        self.config = config
+        self.scores: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor] = []
+
+    def __enter__(self) -> "AttentionRecorder":
+        AttentionInterface.register(RECORDING_ATTENTION, self.attend)
+        AttentionMaskInterface.register(RECORDING_ATTENTION, eager_mask)
+        self.previous = self.config._attn_implementation
+        self.config._attn_implementation = RECORDING_ATTENTION
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.config._attn_implementation = self.previous
+
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
+        keys = repeat_kv(key, module.num_key_value_groups)  # (B, nh, S, hs)
+        self.scores.append((query @ keys.transpose(2, 3) * scaling).detach())  # (B, nh, T, S)
+        out, weights = eager_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
+        self.weights.append(weights)
+        return out, weights
+
+
+# ----------------------------------------------------------------------------------------------
+# Figures and the report
+
+
+def figure(ncols: int = 1, nrows: int = 1, width: float = 5.0, height: float = 3.6) -> tuple[Figure, typing.Any]:
+    """A matplotlib Figure (no pyplot, so no global state and no display) and its axes."""
+    fig = Figure(figsize=(width * ncols, height * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, axes
+
+
+def save_figure(fig: Figure, session: Session, filename: str, alt: str) -> str:
+    """Saves ``fig`` as a PNG in the output folder; returns the Markdown that shows it.
+
+    The PNG is stored with a 256-colour palette: plots have few colours, and it makes the files about three
+    times smaller than full RGBA, which keeps the committed results small.
+    """
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    image = PIL.Image.open(buffer).convert("RGB").quantize(colors=256)
+    image.save(session.output_dir / filename, optimize=True)
+    return f"![{alt}]({filename})"
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return "NaN" if math.isnan(value) else f"{value:.4g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class Check:
+    """One measurable part of a claim, decided from the numbers."""
+
+    statement: str
+    held: bool
+    evidence: str
+
+
+def verdict(checks: list[Check]) -> str:
+    held = sum(c.held for c in checks)
+    if held == len(checks):
+        return "holds"
+    return "does not hold" if held == 0 else "partly holds"
+
+
+def write_report(session: Session, *, title: str, claim: str, setup: str, results: str, checks: list[Check],
+                 discussion: str, numbers: dict) -> pathlib.Path:  # fmt: skip
+    """``report.md`` (claim, setup, results, verdict, how to reproduce, wall time) and ``results.json``
+    (the numbers behind it) in the output folder."""
+    held = verdict(checks)
+    check_rows = [[c.statement, "yes" if c.held else "**no**", c.evidence] for c in checks]
+    git = git_commit()
+    commit = f"{git['commit'][:12]}{' (with uncommitted changes)' if git['dirty'] else ''}" if git["commit"] else "?"
+    versions = package_versions()
+    quick = (
+        "\n\n> **--quick run**: a smoke test of the code path; its numbers mean nothing." if session.args.quick else ""
+    )
+    text = f"""# {title}{quick}
+
+**Claim.** {claim}
+
+## Setup
+
+{setup}
+
+## Results
+
+{results}
+
+## Verdict
+
+**Verdict: the claim {held} at this scale.**
+
+{markdown_table(["check", "held", "numbers"], check_rows)}
+
+{discussion}
+
+## Reproduce
+
+```bash
+{session.command()}
+```
+
+Wall time {session.elapsed():.0f} s on {session.hardware}; torch {versions["torch"]},
+transformers {versions["transformers"]}, decoderlab commit {commit}.
+"""
+    path = session.output_dir / "report.md"
+    path.write_text(text, encoding="utf-8")
+    summary = {
+        "experiment": session.name,
+        "verdict": held,
+        "checks": [dataclasses.asdict(c) for c in checks],
+        "settings": dataclasses.asdict(session.settings),
+        "wall_time_s": round(session.elapsed(), 1),
+        "numbers": numbers,
+    }
+    (session.output_dir / "results.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    return path
+
+
+def accelerator_for(session: Session, cfg: TrainConfig) -> Accelerator:
+    """training/'s Accelerator for ``cfg`` on the session's device; remembers what the hardware is."""
+    accelerator = make_accelerator(cfg, cpu=session.args.device == "cpu")
+    session.hardware = hardware_description(accelerator)
+    return accelerator
