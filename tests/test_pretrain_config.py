@@ -1,0 +1,132 @@
+"""The run configuration of training/: YAML recipes, command-line overrides, and the errors for bad values."""
+
+import pathlib
+
+import pytest
+import yaml
+
+from training.args import TrainConfig, parse_config
+
+CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "training" / "configs").glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    """The recipe folder is found (otherwise the parametrized test below would silently test nothing)."""
+    assert {"shakespeare_char.yaml", "shakespeare_char_gpu.yaml"} <= {path.name for path in CONFIGS}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_recipe_parses_into_the_dataclass(path):
+    """Each YAML in training/configs/ names only real fields with values of the right type and range."""
+    cfg = parse_config(TrainConfig, ["--config", str(path)])
+    written = yaml.safe_load(path.read_text())
+    for key, value in written.items():
+        if key != "model":
+            assert getattr(cfg, key) == pytest.approx(value) if isinstance(value, float) else getattr(cfg, key) == value
+    assert cfg.model == written.get("model", {})
+
+
+def test_default_recipe_is_nano_size():
+    """shakespeare_char is nanoGPT's CPU size and length, which the quality bar is measured at."""
+    cfg = parse_config(TrainConfig, ["--config", str(CONFIGS[0].parent / "shakespeare_char.yaml")])
+    assert (cfg.model["num_hidden_layers"], cfg.model["hidden_size"], cfg.model["num_attention_heads"]) == (4, 128, 4)
+    assert (cfg.block_size, cfg.per_device_train_batch_size, cfg.max_train_steps) == (64, 12, 2000)
+    assert cfg.tokenizer_type == "char"
+
+
+def test_command_line_overrides_yaml(tmp_path):
+    """Flags win over the YAML, are converted to each field's type, and --model.FIELD reaches the model mapping."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1.0e-3\nmodel: {hidden_size: 64, num_attention_heads: 4}\nwith_tracking: false\n")
+    cfg = parse_config(
+        TrainConfig,
+        ["--config", str(recipe), "--learning_rate", "3e-3", "--model.hidden_size", "32", "--model.qk_norm=true"]
+        + ["--with_tracking", "--max_train_steps", "none", "--lr_scheduler_kwargs", "{min_lr_rate: 0.0}"],
+    )
+    assert cfg.learning_rate == 3e-3 and isinstance(cfg.learning_rate, float)
+    assert cfg.model == {"hidden_size": 32, "num_attention_heads": 4, "qk_norm": True}
+    assert cfg.with_tracking is True and cfg.max_train_steps is None
+    assert cfg.lr_scheduler_kwargs == {"min_lr_rate": 0.0}
+
+
+def test_model_choice_named_none_stays_a_string(tmp_path):
+    """position_embedding_type "none" is a choice, not None, both from a flag and from the YAML; a field whose
+    value may be None (head_dim) still reads "none" as None."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {position_embedding_type: none, head_dim: none}\n")
+    cfg = parse_config(TrainConfig, ["--config", str(recipe)])
+    assert cfg.model == {"position_embedding_type": "none", "head_dim": None}
+    cfg = parse_config(TrainConfig, ["--config", str(recipe), "--model.position_embedding_type", "none"])
+    assert cfg.model["position_embedding_type"] == "none"
+
+
+def test_yaml_scientific_notation_is_a_number(tmp_path):
+    """YAML 1.1 reads `1e-3` as a string; a float field still gets the number, not a type error."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1e-3\n")
+    assert parse_config(TrainConfig, ["--config", str(recipe)]).learning_rate == 1e-3
+
+
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        ("block_size: sixty-four\n", "block_size must be an integer, got 'sixty-four'"),
+        ("per_device_train_batch_size: 12.5\n", "per_device_train_batch_size must be an integer, got 12.5"),
+        ("streaming: maybe\n", "streaming must be true/false, got 'maybe'"),
+        ("tokenizer_type: word\n", "tokenizer_type must be one of 'char', 'bpe', 'pretrained', got 'word'"),
+        ("learning_rate: fast\n", "learning_rate must be a number, got 'fast'"),
+        ("model: [4, 128]\n", "model must be a mapping"),
+    ],
+)
+def test_wrong_type_in_yaml(tmp_path, yaml_text, message):
+    """A value of the wrong type is a ValueError naming the field, the value and the expected type."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml_text)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        parse_config(TrainConfig, ["--config", str(recipe)])
+
+
+def test_unknown_field_in_yaml_suggests_the_right_name(tmp_path):
+    """A misspelt YAML key is refused (not silently ignored) with the closest field name."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learnig_rate: 1.0e-3\n")
+    with pytest.raises(ValueError, match=r"'learnig_rate' is not a TrainConfig field. Did you mean 'learning_rate'\?"):
+        parse_config(TrainConfig, ["--config", str(recipe)])
+
+
+def test_unknown_flag_and_unknown_model_field():
+    """Misspelt flags and model fields are errors with a suggestion, not ignored."""
+    with pytest.raises(ValueError, match=r"Unknown argument '--block_sise'. Did you mean 'block_size'\?"):
+        parse_config(TrainConfig, ["--block_sise", "32"])
+    with pytest.raises(
+        ValueError, match=r"model.hiden_size is not a DecoderLabConfig field. Did you mean 'hidden_size'"
+    ):
+        parse_config(TrainConfig, ["--model.hiden_size", "32"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--block_size", "0"], "block_size must be a positive integer, got 0"),
+        (["--learning_rate", "-1"], "learning_rate must be positive, got -1.0"),
+        (["--adam_beta2", "1.0"], r"adam_beta2 must be in \[0, 1\), got 1.0"),
+        (["--lr_scheduler_type", "cosine_annealing"], "lr_scheduler_type='cosine_annealing' is unknown"),
+        (["--push_to_hub"], "push_to_hub=True needs --hub_model_id"),
+        (["--tokenizer_type", "pretrained"], "tokenizer_type='pretrained' needs --tokenizer_name"),
+        (["--streaming", "--max_train_steps", "none"], "streaming=True needs --max_train_steps"),
+        (["--train_file", "data.xml"], r"train_file='data.xml' must end in one of .txt"),
+        (["--dataset_name", "none"], "No data: pass --dataset_name"),
+        (["--model.hidden_size", "100", "--model.num_attention_heads", "3"], "hidden_size=100 is not divisible"),
+        (["--model.norm_type", "batchnorm"], "norm_type.*'layernorm', 'rmsnorm'.*batchnorm"),
+    ],
+)
+def test_invalid_values(argv, message):
+    """Impossible values fail before any data is loaded, with the field, the value and what to do."""
+    with pytest.raises(ValueError, match=message):
+        parse_config(TrainConfig, argv)
+
+
+def test_missing_config_file():
+    """--config pointing nowhere says so instead of training the defaults."""
+    with pytest.raises(ValueError, match="no such file"):
+        parse_config(TrainConfig, ["--config", "training/configs/nope.yaml"])

@@ -1,0 +1,206 @@
+"""training/data.py: tokenizers, loading errors, packing and the resumable, sharded batches."""
+
+import pathlib
+
+import datasets
+import pytest
+import torch
+from huggingface_hub import constants as hub_constants
+from transformers import AutoTokenizer
+
+from training.args import TrainConfig
+from training.data import (
+    BlockBatches,
+    block_tensor,
+    load_text_splits,
+    pack,
+    prepare_map_style,
+    split_blocks,
+    train_bpe_tokenizer,
+    train_char_tokenizer,
+)
+
+SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+INPUT_TXT = SHARED_DATA / "tinyshakespeare" / "input.txt"
+HUB_LAYOUT_COPY = SHARED_DATA / "tiny_shakespeare"
+
+
+@pytest.fixture(scope="module")
+def corpus() -> str:
+    return INPUT_TXT.read_text(encoding="utf-8")
+
+
+def test_char_tokenizer_round_trips_the_corpus_with_nanogpts_ids(corpus, tmp_path):
+    """Saved and reloaded through AutoTokenizer, the character tokenizer gives back all of Tiny Shakespeare
+    unchanged, with 65 tokens numbered like nanoGPT's shakespeare_char (sorted characters)."""
+    train_char_tokenizer([corpus]).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer(corpus, add_special_tokens=False)["input_ids"]
+    chars = sorted(set(corpus))
+    assert len(tokenizer) == 65
+    assert ids[:1000] == [chars.index(c) for c in corpus[:1000]]
+    assert len(ids) == len(corpus)
+    assert tokenizer.decode(ids) == corpus
+
+
+def test_char_tokenizer_refuses_unknown_characters():
+    """A character outside the vocabulary raises instead of being dropped or replaced silently."""
+    tokenizer = train_char_tokenizer(["abc"])
+    with pytest.raises(Exception, match="UNK|unk|vocabulary"):
+        tokenizer("abz")
+
+
+def test_bpe_tokenizer_round_trips_and_has_eos(corpus, tmp_path):
+    """The byte-level BPE reaches the asked vocabulary size, compresses, decodes text back exactly
+    (including bytes it never saw) and has an end-of-text token to separate documents."""
+    train_bpe_tokenizer([corpus[:200_000]], vocab_size=400).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    sample = corpus[500_000:502_000] + " naïve café ✓"
+    ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+    assert len(tokenizer) == 400
+    assert tokenizer.eos_token == "<|endoftext|>"
+    assert len(ids) < 0.7 * len(sample)
+    assert tokenizer.decode(ids) == sample
+
+
+def test_local_hub_layout_folder_loads_with_both_splits():
+    """The offline copy in the Hub layout gives a train and a validation split with a text column."""
+    train, validation = load_text_splits(TrainConfig(dataset_name=str(HUB_LAYOUT_COPY)))
+    assert len(train[0]["text"]) == 1_003_854 and len(validation[0]["text"]) == 111_540
+
+
+def test_dataset_not_found_says_what_was_tried(monkeypatch):
+    """A dataset that is neither a folder nor reachable on the Hub names both attempts and the offline fix."""
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError) as info:
+        load_text_splits(TrainConfig(dataset_name="someone/no_such_dataset"))
+    message = str(info.value)
+    assert "Could not load dataset 'someone/no_such_dataset'" in message
+    assert "does not exist" in message and "Hub dataset id" in message
+    assert "HF_HUB_OFFLINE" in message and "--train_file" in message
+
+
+def test_missing_data_file():
+    """A --train_file that does not exist is named in the error."""
+    with pytest.raises(ValueError, match="Data file nowhere/train.txt does not exist"):
+        load_text_splits(TrainConfig(train_file="nowhere/train.txt"))
+
+
+def test_missing_text_column_lists_the_columns(tmp_path):
+    """Asking for a column the data lacks lists the columns it has."""
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"content": "hello", "id": 1}\n{"content": "world", "id": 2}\n')
+    with pytest.raises(ValueError, match=r"no column 'text'; its columns are \['content', 'id'\]"):
+        load_text_splits(TrainConfig(train_file=str(path)))
+
+
+def test_text_shorter_than_one_block(tmp_path):
+    """Text too short to fill a block is an error that gives the token count and the block size."""
+    (tmp_path / "train.txt").write_text("To be, or not to be\n")
+    (tmp_path / "validation.txt").write_text("that is the question\n")
+    cfg = TrainConfig(
+        train_file=str(tmp_path / "train.txt"), validation_file=str(tmp_path / "validation.txt"), block_size=64
+    )
+    train, validation = load_text_splits(cfg)
+    tokenizer = train_char_tokenizer([train[0]["text"], validation[0]["text"]])
+    with pytest.raises(
+        ValueError, match=r"train text is too short: it has 20 tokens, fewer than 1 block\(s\) of block_size=64"
+    ):
+        prepare_map_style(train, validation, tokenizer, cfg)
+
+
+def test_packing_concatenates_and_caches(corpus, tmp_path):
+    """Packed blocks are the tokenized text cut into block_size pieces, and a second pack of the same data
+    with the same tokenizer is read from the cache (same fingerprint) instead of being recomputed."""
+    path = tmp_path / "train.txt"
+    path.write_text(corpus[:20_000])
+    cfg = TrainConfig(train_file=str(path), block_size=32, dataset_name=None)
+    train, _ = load_text_splits(cfg)
+    tokenizer = train_char_tokenizer([corpus])
+    first = pack(train, tokenizer, cfg, "train")
+    blocks = block_tensor(first)
+    expected = torch.tensor(tokenizer(corpus[:20_000], add_special_tokens=False)["input_ids"])
+    # rows are lines, concatenated; with fewer than 1000 lines the only loss is the tail past the last block
+    assert torch.equal(blocks.flatten().long(), expected[: blocks.numel()])
+    assert blocks.shape == (20_000 // 32, 32)
+    second = pack(train, tokenizer, cfg, "train")
+    assert second._fingerprint == first._fingerprint
+    assert second.cache_files == first.cache_files
+    other = pack(train, train_char_tokenizer([corpus[:20_000]]), cfg, "train")
+    assert other._fingerprint != first._fingerprint  # another vocabulary: tokenized again
+
+
+def test_validation_carved_off_the_end():
+    """Without a validation split, the last blocks validate, like nanoGPT's last-10% split."""
+    blocks = torch.arange(100).view(50, 2)
+    train, validation = split_blocks(blocks, 10.0)
+    assert torch.equal(train, blocks[:45]) and torch.equal(validation, blocks[45:])
+
+
+def take(batches: BlockBatches, start: int, n: int) -> list[torch.Tensor]:
+    iterator = batches.iterate(start)
+    return [next(iterator)["input_ids"] for _ in range(n)]
+
+
+def test_batches_resume_exactly_and_cover_each_epoch():
+    """iterate(start=b) continues exactly where an uninterrupted iteration is at batch b, across epochs;
+    each epoch visits each block at most once and differs in order from the next."""
+    blocks = torch.arange(40 * 4).view(40, 4)
+    batches = BlockBatches(blocks, batch_size=3, seed=7)  # 13 batches per epoch, one block left out
+    straight = take(batches, 0, 30)
+    assert all(torch.equal(a, b) for a, b in zip(straight[17:], take(batches, 17, 13)))
+    epoch0 = torch.cat(straight[:13])[:, 0].tolist()
+    epoch1 = torch.cat(straight[13:26])[:, 0].tolist()
+    assert len(set(epoch0)) == 39 and len(set(epoch1)) == 39 and epoch0 != epoch1
+
+
+def test_sharded_batches_match_one_process_with_the_global_batch():
+    """Two processes with batch 3 see, step by step, the same 6 blocks as one process with batch 6:
+    the data side of 'two processes follow the single-process curve at the same global batch'."""
+    blocks = torch.arange(50 * 2).view(50, 2)
+    single = take(BlockBatches(blocks, batch_size=6, seed=1), 0, 20)
+    rank0 = take(BlockBatches(blocks, batch_size=3, seed=1, process_index=0, num_processes=2), 0, 20)
+    rank1 = take(BlockBatches(blocks, batch_size=3, seed=1, process_index=1, num_processes=2), 0, 20)
+    for whole, a, b in zip(single, rank0, rank1):
+        assert torch.equal(whole, torch.cat([a, b]))
+
+
+def test_too_few_blocks_for_a_batch():
+    """Fewer blocks than one global batch is a clear error, not an endless loop of empty batches."""
+    with pytest.raises(ValueError, match="Only 5 training blocks, fewer than one global batch of 8"):
+        BlockBatches(torch.zeros(5, 4), batch_size=4, seed=0, num_processes=2)
+
+
+def test_streaming_carves_validation_and_resumes(corpus, tmp_path):
+    """A streamed dataset (read lazily, as FineWeb-Edu would be) without a validation split: its first
+    texts validate, training skips them, batches have the block shape, and resuming at batch b yields
+    what an uninterrupted stream yields from b on."""
+    import json
+
+    from training.data import StreamBatches, prepare_streaming
+
+    path = tmp_path / "docs.jsonl"
+    documents = [corpus[i : i + 3000] for i in range(0, 300_000, 3000)]  # 100 documents
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    cfg = TrainConfig(
+        train_file=str(path), streaming=True, streaming_validation_texts=5, block_size=32, tokenizer_type="bpe"
+    )
+    train, validation = load_text_splits(cfg)
+    assert isinstance(train, datasets.IterableDataset) and validation is None
+    tokenizer = train_bpe_tokenizer([corpus[:100_000]], vocab_size=300)
+    train_blocks, eval_blocks = prepare_streaming(train, validation, tokenizer, cfg)
+    validation_text = "".join(d + "<|endoftext|>" for d in documents[:5])
+    validation_ids = tokenizer(validation_text, add_special_tokens=False)["input_ids"]
+    assert eval_blocks.shape == (len(validation_ids) // 32, 32)
+    assert eval_blocks.flatten().tolist() == validation_ids[: eval_blocks.numel()]
+
+    batches = StreamBatches(train_blocks, batch_size=4, seed=3, shuffle_buffer_size=50)
+    iterator = batches.iterate()
+    straight = [next(iterator)["input_ids"] for _ in range(12)]
+    assert straight[0].shape == (4, 32)
+    resumed = batches.iterate(start=7)
+    assert all(torch.equal(next(resumed)["input_ids"], expected) for expected in straight[7:])
+    # training starts right after the validation texts: they are never trained on
+    first_train_block = list(next(iter(train_blocks))["input_ids"])
+    assert first_train_block == tokenizer(documents[5], add_special_tokens=False)["input_ids"][:32]

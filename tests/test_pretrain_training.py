@@ -1,0 +1,280 @@
+"""training/: the loop, crash-safe checkpoints, exact resume, two-process DDP, and the final checkpoint folder.
+
+Runs use a tiny model (2 layers x 32 hidden) on 60,000 characters of Tiny Shakespeare, tens to a few
+hundred steps, so each takes seconds. Single-process runs call ``training.pretrain.main`` in this
+process; the SIGKILL and the two-process runs are subprocesses with the same thread count, so their
+arithmetic is the same as in-process.
+"""
+
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import decoderlab
+from training import checkpointing, pretrain
+from training.args import TrainConfig, parse_config
+from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint
+from training.data import BlockBatches, train_char_tokenizer
+from training.loop import NonFiniteLossError, evaluate, make_accelerator, param_groups, train
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+INPUT_TXT = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
+TINY_MODEL = ["--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One thread, here and in the subprocesses: a tiny model gains nothing from more, and on a busy
+    machine two OpenMP threads per process spin-wait for each other and run 20x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    corpus = INPUT_TXT.read_text(encoding="utf-8")
+    folder = tmp_path_factory.mktemp("text")
+    (folder / "train.txt").write_text(corpus[:60_000])
+    (folder / "validation.txt").write_text(corpus[60_000:66_000])
+    return folder / "train.txt", folder / "validation.txt"
+
+
+def tiny_argv(text_files, output_dir, *extra: str) -> list[str]:
+    """A complete command line for a run that takes seconds."""
+    train_file, validation_file = text_files
+    return [
+        "--dataset_name", "none", "--train_file", str(train_file), "--validation_file", str(validation_file),
+        "--block_size", "16", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "64",
+        "--learning_rate", "3e-3", "--num_warmup_steps", "5", "--logging_steps", "5", "--eval_steps", "20",
+        "--checkpointing_steps", "10", "--checkpoints_total_limit", "50", "--seed", "0",
+        "--output_dir", str(output_dir), *TINY_MODEL, *extra,
+    ]  # fmt: skip
+
+
+def read_metrics(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (pathlib.Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(output_dir) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in read_metrics(output_dir) if "train_loss" in r}
+
+
+def final_eval_loss(output_dir) -> float:
+    return [r["eval_loss"] for r in read_metrics(output_dir) if "eval_loss" in r][-1]
+
+
+def subprocess_env() -> dict:
+    """Offline, with one thread like this process (so the same arithmetic as in-process runs)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop's parts
+
+
+def test_weight_decay_skips_norms_biases_and_embeddings(tiny_config):
+    """Only weight matrices decay: not norm gains, biases, token or learned position embeddings (nor a tied head)."""
+    for overrides in ({}, {"tie_word_embeddings": True, "position_embedding_type": "learned", "attention_bias": True}):
+        model = decoderlab.DecoderLabForCausalLM(tiny_config(**overrides))
+        decay, no_decay = (group["params"] for group in param_groups(model, 0.1))
+        names = {id(p): n for n, p in model.named_parameters()}
+        decayed = {names[id(p)] for p in decay}
+        assert all(("proj" in n and n.endswith("weight")) or n == "lm_head.weight" for n in decayed), decayed
+        assert not any("norm" in n or "bias" in n or "embed" in n for n in decayed)
+        assert len(decay) + len(no_decay) == len(list(model.parameters()))
+        assert ("lm_head.weight" in decayed) == (not overrides)
+
+
+def test_evaluate_weights_every_predicted_token_once(tiny_model):
+    """evaluate() equals the plain mean cross-entropy over every next-token prediction of every block,
+    whatever the batch size (the last batch is smaller here)."""
+    model = tiny_model()
+    blocks = torch.randint(0, 99, (10, 12))
+    accelerator = make_accelerator(TrainConfig())
+    logits = model(input_ids=blocks).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 99), blocks[:, 1:].reshape(-1)).item()
+    result = evaluate(model, blocks, batch_size=4, accelerator=accelerator)
+    assert result["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
+
+
+def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny_model, monkeypatch):
+    """A save killed halfway leaves only step_N.tmp: 'latest' still resolves to the previous complete
+    checkpoint, and the next save of that step replaces the leftover."""
+    accelerator = make_accelerator(TrainConfig(output_dir=str(tmp_path)))
+    model, optimizer = accelerator.prepare(tiny_model(), torch.optim.AdamW(tiny_model().parameters()))
+    save_checkpoint(accelerator, tmp_path, TrainState(step=10))
+
+    def dies_halfway(output_dir, **kwargs):
+        pathlib.Path(output_dir).mkdir(parents=True, exist_ok=True)
+        pathlib.Path(output_dir, "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt("killed while saving")
+
+    monkeypatch.setattr(accelerator, "save_state", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(accelerator, tmp_path, TrainState(step=20))
+    assert (tmp_path / "step_20.tmp").is_dir() and not (tmp_path / "step_20").exists()
+    assert resolve_checkpoint("latest", tmp_path) == tmp_path / "step_10"
+    monkeypatch.undo()
+    save_checkpoint(accelerator, tmp_path, TrainState(step=20))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_10", "step_20"]
+    assert not (tmp_path / "step_20.tmp").exists()
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        resolve_checkpoint(str(tmp_path / "step_30"), tmp_path)
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, text_files):
+    """From the 26th training step on the final norm's output is NaN (so are the logits and the loss): the
+    run stops at the next log (step 30) with a clear error naming the intact checkpoint (step_20), saves
+    nothing after it, and step_20's weights are finite."""
+    cfg = parse_config(TrainConfig, tiny_argv(text_files, tmp_path, "--max_train_steps", "60"))
+    corpus = text_files[0].read_text()
+    tokenizer = train_char_tokenizer([corpus])
+    ids = torch.tensor(tokenizer(corpus, add_special_tokens=False)["input_ids"])
+    blocks = ids[: len(ids) // 16 * 16].view(-1, 16)
+    model = decoderlab.DecoderLabForCausalLM(
+        decoderlab.DecoderLabConfig(
+            vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2
+        )
+    )
+    calls = []
+
+    def poison(module, args, output):
+        calls.extend([1] if module.training else [])  # count training steps, not evaluation batches
+        return output * float("nan") if len(calls) > 25 else output
+
+    model.model.norm.register_forward_hook(poison)
+    accelerator = make_accelerator(cfg)
+    with pytest.raises(NonFiniteLossError) as info:
+        train(model, BlockBatches(blocks, 4, seed=0), blocks[:8], cfg, accelerator, show_progress=False)
+    message = str(info.value)
+    assert "The training loss is nan at step 30" in message
+    assert "step_20, is intact" in message and "--learning_rate" in message
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_10", "step_20"]
+    assert not list(tmp_path.glob("*.tmp"))
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "step_20" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole runs
+
+
+@pytest.mark.slow
+def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, capsys):
+    """A short run lowers the loss and leaves a complete Hugging Face folder: AutoModelForCausalLM and
+    AutoTokenizer load it, the loaded model reproduces the final validation loss, generate.py samples from
+    it, and the folder records the resolved configuration, versions, commit, metrics and a model card."""
+    out = tmp_path / "run"
+    pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "60"))
+    losses = train_losses(out)
+    evals = [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]  # steps 20, 40 and the final one
+    assert losses[60] < losses[5] - 0.5  # from about ln(65) = 4.2
+    assert evals[0] > evals[1] > evals[2]
+
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "training_config.yaml", "run_info.json", "metrics.jsonl", "README.md"):  # fmt: skip
+        assert (out / name).is_file(), name
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert isinstance(model, decoderlab.DecoderLabForCausalLM) and len(tokenizer) == model.config.vocab_size
+    validation = text_files[1].read_text()
+    ids = torch.tensor(tokenizer(validation, add_special_tokens=False)["input_ids"])
+    blocks = ids[: len(ids) // 16 * 16].view(-1, 16)
+    with torch.no_grad():
+        loss = model(input_ids=blocks, labels=blocks).loss.item()
+    assert loss == pytest.approx(final_eval_loss(out), rel=1e-5)
+
+    info = json.loads((out / "run_info.json").read_text())
+    assert (
+        info["packages"]["torch"] == torch.__version__.split("+")[0] or info["packages"]["torch"] == torch.__version__
+    )
+    assert "commit" in info["git"] and info["num_processes"] == 1
+    resolved = yaml.safe_load((out / "training_config.yaml").read_text())
+    assert TrainConfig(**resolved).max_train_steps == 60  # the saved configuration reproduces the run
+
+    capsys.readouterr()
+    from training import generate
+
+    generate.main([str(out), "--prompt", "ROMEO:", "--max_new_tokens", "40"])
+    sample = capsys.readouterr().out
+    assert sample.startswith("ROMEO:") and len(sample.rstrip("\n")) == len("ROMEO:") + 40
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_to_the_same_losses(tmp_path, text_files):
+    """A run killed with SIGKILL mid-training and resumed with --resume_from_checkpoint latest logs the same
+    training losses and final validation loss as an uninterrupted run with the same seed.
+
+    Tolerance: none beyond float formatting. The checkpoint restores the weights, AdamW's moments,
+    the schedule, the RNG states and the data position exactly, and fp32 arithmetic on CPU with the
+    same thread count is deterministic, so the resumed run repeats the same operations on the same
+    numbers; 1e-6 only allows for a last-bit difference should a kernel reorder a reduction.
+    """
+    steps = ["--max_train_steps", "300", "--checkpointing_steps", "25", "--eval_steps", "100"]
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    pretrain.main(tiny_argv(text_files, reference, *steps))
+
+    command = [sys.executable, str(PRETRAIN), *tiny_argv(text_files, interrupted, *steps)]
+    process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (interrupted / "step_50").exists():
+        assert process.poll() is None, f"the run ended before it could be killed:\n{process.stderr.read().decode()}"
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
+    killed_at = max(int(p.name.split("_")[1]) for p in list_checkpoints(interrupted))
+    assert killed_at < 300, "the kill came after the last checkpoint: nothing was resumed"
+
+    pretrain.main(tiny_argv(text_files, interrupted, *steps, "--resume_from_checkpoint", "latest"))
+    expected, resumed = train_losses(reference), train_losses(interrupted)
+    assert sorted(resumed) == sorted(expected)  # every logged step once: none lost, none repeated
+    for step in expected:
+        assert resumed[step] == pytest.approx(expected[step], abs=1e-6), step
+    assert final_eval_loss(interrupted) == pytest.approx(final_eval_loss(reference), abs=1e-6)
+    assert json.loads((interrupted / "step_300" / checkpointing.STATE_NAME).read_text())["tokens"] == 300 * 4 * 16
+
+
+@pytest.mark.slow
+def test_two_processes_follow_the_single_process_curve(tmp_path, text_files):
+    """torchrun with 2 gloo processes of batch 4 is data-parallel (gradients averaged every step) and so
+    follows one process with batch 8: the same blocks per step (BlockBatches) and the same mean gradient.
+
+    Tolerance 1e-4 on losses of ~2-4: the only differences are the order of floating-point sums (the
+    all-reduce vs. one batch), ~1e-7 relative per step, growing slowly over 30 steps. Processes training
+    independently (no gradient exchange) would drift apart by ~1e-2 within these steps.
+    """
+    steps = ["--max_train_steps", "30", "--checkpointing_steps", "none", "--eval_steps", "none"]
+    single, parallel = tmp_path / "single", tmp_path / "parallel"
+    pretrain.main(tiny_argv(text_files, single, *steps, "--per_device_train_batch_size", "8"))
+    env = subprocess_env()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*launcher, str(PRETRAIN), *tiny_argv(text_files, parallel, *steps)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads((parallel / "run_info.json").read_text())
+    assert info["num_processes"] == 2 and info["distributed_type"] == "DistributedType.MULTI_CPU"
+    expected, got = train_losses(single), train_losses(parallel)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], abs=1e-4), step
+    assert final_eval_loss(parallel) == pytest.approx(final_eval_loss(single), abs=1e-4)

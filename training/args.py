@@ -1,0 +1,355 @@
+"""The run configuration: one typed dataclass, read from a YAML recipe and overridden on the command line.
+
+    python training/pretrain.py --config training/configs/shakespeare_char.yaml --learning_rate 2e-3 \\
+        --model.num_hidden_layers 6 --with_tracking
+
+Every field of ``TrainConfig`` is a flag of the same name; where transformers' ``run_clm_no_trainer.py``
+has an argument with the same meaning, the name is the same. ``--model.FIELD VALUE`` sets one
+``DecoderLabConfig`` field of the ``model:`` mapping. The YAML file gives values, the command line
+overrides them, and the dataclass checks the result once, in ``__post_init__``: a value of the wrong
+type, an unknown field or an impossible value is a ``ValueError`` naming the field, the value and what
+is allowed.
+
+A fine-tuning script extends ``TrainConfig`` by subclassing it and reuses ``parse_config``.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+import yaml
+from transformers import SchedulerType
+
+from decoderlab import DecoderLabConfig
+
+TOKENIZER_TYPES = Literal["char", "bpe", "pretrained"]
+MIXED_PRECISION = Literal["no", "bf16", "fp16"]
+DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
+NONE_STRINGS = ("none", "null", "~")
+TRUE_STRINGS = ("true", "yes", "1", "on")
+FALSE_STRINGS = ("false", "no", "0", "off")
+
+
+def option(default=dataclasses.MISSING, help: str = "", **kwargs):
+    """A dataclass field carrying its ``--help`` text."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. Data and optimisation defaults are the ``shakespeare_char`` recipe's;
+    the model is ``DecoderLabConfig(**model)``, so its size comes from the recipe's ``model:`` mapping."""
+
+    # --- data
+    dataset_name: str | None = option(
+        "karpathy/tiny_shakespeare",
+        "Hub dataset id, or a local folder laid out like a Hub dataset repository (offline copies).",
+    )
+    dataset_config_name: str | None = option(None, "dataset configuration (subset), e.g. sample-10BT")
+    train_file: str | None = option(None, "local .txt/.json/.jsonl/.parquet/.csv training file; replaces dataset_name")
+    validation_file: str | None = option(None, "local validation file (same formats); needs train_file")
+    text_column_name: str = option("text", "column holding the text")
+    validation_split_name: str = option("validation", "the dataset's validation split; carved off train if absent")
+    validation_split_percentage: float = option(5.0, "percent of train carved off when there is no validation split")
+    streaming: bool = option(False, "stream the dataset instead of downloading it (corpora bigger than the disk)")
+    streaming_validation_texts: int = option(1000, "streaming without a validation split: first N texts validate")
+    shuffle_buffer_size: int = option(10_000, "streaming: texts held in the shuffle buffer")
+    block_size: int = option(64, "tokens per training sequence; texts are concatenated and cut into blocks")
+    preprocessing_num_workers: int | None = option(None, "processes for tokenization (datasets.map num_proc)")
+    overwrite_cache: bool = option(False, "re-tokenize even when a cached tokenization exists")
+    # --- tokenizer
+    tokenizer_type: TOKENIZER_TYPES = option(
+        "char", "char: one token per character; bpe: byte-level BPE trained on the data; pretrained: tokenizer_name"
+    )
+    tokenizer_name: str | None = option(None, "existing tokenizer (Hub id or folder) for tokenizer_type=pretrained")
+    bpe_vocab_size: int = option(8192, "vocabulary size of the trained byte-level BPE")
+    tokenizer_train_texts: int = option(100_000, "most texts read to build a char/BPE vocabulary")
+    # --- model
+    model_name_or_path: str | None = option(None, "start from these weights (Hub id or folder) instead of from scratch")
+    model: dict = option({}, "DecoderLabConfig fields for a model trained from scratch (--model.FIELD VALUE)")
+    # --- optimisation
+    per_device_train_batch_size: int = option(12, "sequences per process per micro-batch")
+    per_device_eval_batch_size: int = option(64, "sequences per process per evaluation batch")
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
+    learning_rate: float = option(2e-3, "peak learning rate (AdamW)")
+    weight_decay: float = option(0.1, "AdamW weight decay; never applied to norms, biases and embeddings")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.99, "AdamW beta2")
+    adam_epsilon: float = option(1e-8, "AdamW epsilon")
+    max_grad_norm: float | None = option(1.0, "clip the gradient norm to this; none disables clipping")
+    lr_scheduler_type: str = option("cosine_with_min_lr", "transformers scheduler name (SchedulerType)")
+    lr_scheduler_kwargs: dict = option({"min_lr_rate": 0.1}, "extra scheduler arguments, e.g. min_lr_rate")
+    num_warmup_steps: int = option(100, "linear warm-up steps")
+    max_train_steps: int | None = option(2000, "optimizer steps; none means num_train_epochs epochs")
+    num_train_epochs: int = option(1, "epochs when max_train_steps is none")
+    mixed_precision: MIXED_PRECISION = option("no", "autocast dtype: no, bf16 (GPUs and recent CPUs) or fp16 (GPUs)")
+    torch_compile: bool = option(False, "compile the model with torch.compile")
+    seed: int = option(1337, "seed for weights, data order and dropout")
+    # --- evaluation and logging
+    eval_steps: int | None = option(500, "evaluate every N steps (and at the end); none: only at the end")
+    max_eval_samples: int | None = option(None, "blocks used by the periodic evaluations; the final one uses all")
+    logging_steps: int = option(50, "log the mean training loss every N steps")
+    # --- checkpoints
+    output_dir: str = option("out/shakespeare_char", "the final Hugging Face checkpoint and the step_N checkpoints")
+    checkpointing_steps: int | None = option(500, "save a resumable checkpoint every N steps (and at the end)")
+    checkpoints_total_limit: int | None = option(2, "keep only the newest N step_N checkpoints")
+    resume_from_checkpoint: str | None = option(None, "'latest' or a step_N folder to continue from")
+    # --- tracking and the Hub
+    with_tracking: bool = option(False, "log metrics through Accelerate's trackers")
+    report_to: str = option("tensorboard", "tracker(s) for with_tracking: tensorboard, wandb, ... or all")
+    project_name: str = option("decoderlab", "tracker project / run group name")
+    push_to_hub: bool = option(False, "upload the final folder to the Hub (needs hub_model_id)")
+    hub_model_id: str | None = option(None, "ORG/NAME of the Hub model repository")
+    sample_prompt: str = option("ROMEO:", "prompt of the generation example in the model card")
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
+        self.check()
+
+    def check(self) -> None:
+        """Reject values no run can use; each message names the field, the value and what to do."""
+        positive = (
+            "block_size", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+            "max_train_steps", "num_train_epochs", "eval_steps", "logging_steps", "checkpointing_steps",
+            "checkpoints_total_limit", "max_eval_samples", "bpe_vocab_size", "tokenizer_train_texts",
+            "streaming_validation_texts", "shuffle_buffer_size", "preprocessing_num_workers",
+        )  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}.")
+        if self.block_size < 2:
+            raise ValueError("block_size must be at least 2 (a block predicts its tokens after the first), got 1.")
+        for name in ("learning_rate", "adam_epsilon"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive, or none to disable clipping, got {self.max_grad_norm}.")
+        if self.weight_decay < 0 or self.num_warmup_steps < 0:
+            raise ValueError(
+                f"weight_decay and num_warmup_steps cannot be negative, got {self.weight_decay}, {self.num_warmup_steps}."
+            )
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}.")
+        if not 0.0 < self.validation_split_percentage < 100.0:
+            raise ValueError(
+                f"validation_split_percentage must be in (0, 100), got {self.validation_split_percentage}."
+            )
+        schedulers = [s.value for s in SchedulerType]
+        if self.lr_scheduler_type not in schedulers:
+            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {schedulers}.")
+        self.check_data()
+        if self.tokenizer_type == "pretrained" and not self.tokenizer_name:
+            raise ValueError("tokenizer_type='pretrained' needs --tokenizer_name (a Hub id or a tokenizer folder).")
+        if self.tokenizer_type == "bpe" and self.bpe_vocab_size < 257:
+            raise ValueError(
+                f"bpe_vocab_size={self.bpe_vocab_size} is too small: a byte-level BPE needs the 256 bytes plus "
+                "its end-of-text token. Use 257 or more (a few thousand is typical)."
+            )
+        if self.streaming and self.max_train_steps is None:
+            raise ValueError(
+                "streaming=True needs --max_train_steps: a streamed dataset has no length to count epochs."
+            )
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError("push_to_hub=True needs --hub_model_id ORG/NAME, the Hub repository to upload to.")
+        check_model_fields(self.model)
+
+    def check_data(self) -> None:
+        if self.train_file is None and self.dataset_name is None:
+            raise ValueError("No data: pass --dataset_name (a Hub id or a local dataset folder) or --train_file.")
+        if self.validation_file is not None and self.train_file is None:
+            raise ValueError("validation_file needs train_file: give both local files, or use dataset_name alone.")
+        for name in ("train_file", "validation_file"):
+            path = getattr(self, name)
+            if path is not None and pathlib.Path(path).suffix not in DATA_FILE_SUFFIXES:
+                raise ValueError(f"{name}={path!r} must end in one of {', '.join(DATA_FILE_SUFFIXES)}.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_model_fields(model: dict) -> None:
+    """The ``model:`` mapping must name DecoderLabConfig fields with valid values (checked by the config itself)."""
+    known = {f.name for f in dataclasses.fields(DecoderLabConfig)}
+    for key in model:
+        if key not in known:
+            raise ValueError(f"model.{key} is not a DecoderLabConfig field.{suggestion(key, known)}")
+    DecoderLabConfig(**model)  # raises ValueError naming the field for a bad value or type
+
+
+# ----------------------------------------------------------------------------------------------
+# Types: values from YAML are typed already (except YAML 1.1's "1e-3", a string); values from the
+# command line are strings. Both go through `coerce`, which converts what is unambiguous and refuses the rest.
+
+
+def describe(hint) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(hint))
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(describe(a) for a in typing.get_args(hint))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(
+        hint, "none" if hint is type(None) else str(hint)
+    )
+
+
+def coerce(name: str, value, hint):
+    """``value`` as type ``hint``, or a ValueError saying what ``name`` must be."""
+    wrong = ValueError(f"{name} must be {describe(hint)}, got {value!r} ({type(value).__name__}).")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in NONE_STRINGS)):
+            return None
+        for option_type in (a for a in args if a is not type(None)):
+            try:
+                return coerce(name, value, option_type)
+            except ValueError:
+                continue
+        raise wrong
+    if origin is Literal:
+        if value in args:
+            return value
+        raise wrong
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in TRUE_STRINGS + FALSE_STRINGS:
+            return value.lower() in TRUE_STRINGS
+        raise wrong
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                raise wrong from None
+        raise wrong
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong from None
+        raise wrong
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise wrong
+    if hint is dict or origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip() else {}
+        if isinstance(value, dict):
+            parse = parse_model_value if name == "model" else (lambda _, v: parse_scalar(v))
+            return {key: parse(key, v) for key, v in value.items()}
+        raise wrong
+    raise TypeError(f"coerce() does not handle the annotation {hint} of {name}")  # a bug in a config class
+
+
+def parse_scalar(value):
+    """A command-line or YAML scalar with an obvious type: '256' -> 256, '1e-3' -> 0.001, 'true' -> True."""
+    if not isinstance(value, str):
+        return value
+    lowered = value.lower()
+    if lowered in NONE_STRINGS:
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for convert in (int, float):
+        try:
+            return convert(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_model_value(field_name: str, value):
+    """A ``DecoderLabConfig`` field's value: a named choice stays a string (``position_embedding_type``
+    ``none`` is the choice "none", not None); anything else is parsed like any scalar."""
+    hint = DecoderLabConfig.__annotations__.get(field_name)
+    if typing.get_origin(hint) is Literal and value in typing.get_args(hint):
+        return value
+    return parse_scalar(value)
+
+
+def suggestion(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading a configuration
+
+
+def load_yaml(path) -> dict:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config {path}: no such file. Recipes live in training/configs/.")
+    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a mapping of field: value, not a {type(values).__name__}.")
+    return values
+
+
+def build_parser(cls: type[TrainConfig]) -> argparse.ArgumentParser:
+    """One flag per field; only flags actually given appear in the parsed namespace."""
+    parser = argparse.ArgumentParser(
+        description=(cls.__doc__ or "").split("\n")[0],
+        allow_abbrev=False,
+        epilog="--model.FIELD VALUE sets one DecoderLabConfig field of the model: mapping.",
+    )
+    parser.add_argument("--config", help="YAML recipe whose values the other flags override")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kwargs = {"default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {default})"}
+        if hints[f.name] is bool:
+            kwargs.update(nargs="?", const="true", metavar="BOOL")  # `--flag` alone means true
+        parser.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_config(cls: type[TrainConfig] = TrainConfig, argv: list[str] | None = None) -> TrainConfig:
+    """``cls`` from ``--config YAML`` (optional) overridden by the other flags of ``argv``."""
+    namespace, rest = build_parser(cls).parse_known_args(argv)
+    overrides = vars(namespace)
+    config_path = overrides.pop("config", None)
+    values = load_yaml(config_path) if config_path else {}
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ValueError(f"{config_path}: {key!r} is not a {cls.__name__} field.{suggestion(key, known)}")
+    values.update(overrides)
+    model_overrides = parse_dotted(rest, known)
+    if model_overrides:
+        values["model"] = {**(values.get("model") or {}), **model_overrides}
+    return cls(**values)
+
+
+def parse_dotted(rest: list[str], known) -> dict:
+    """``--model.FIELD VALUE`` / ``--model.FIELD=VALUE`` pairs left over by argparse."""
+    overrides, i = {}, 0
+    while i < len(rest):
+        flag = rest[i]
+        if not flag.startswith("--model."):
+            name = flag.lstrip("-").split("=")[0]
+            raise ValueError(f"Unknown argument {flag!r}.{suggestion(name, known)} See --help for every field.")
+        key, _, value = flag[len("--model.") :].partition("=")
+        if not value:
+            if i + 1 >= len(rest):
+                raise ValueError(f"{flag} needs a value, e.g. {flag} 256.")
+            value, i = rest[i + 1], i + 1
+        overrides[key] = parse_model_value(key, value)
+        i += 1
+    return overrides

@@ -1,0 +1,245 @@
+"""Checkpoints that survive a crash, resuming from them, and the final Hugging Face folder.
+
+Layout of ``output_dir`` during and after a run::
+
+    output_dir/
+        step_500/ step_1000/     resumable Accelerate states (the newest ``checkpoints_total_limit``)
+        step_1500.tmp/           a checkpoint being written: never resumed from, removed by the next save
+        config.json, model.safetensors, generation_config.json, tokenizer.json, ...   the final model
+        training_config.yaml, run_info.json, metrics.jsonl, README.md                what made it
+
+A checkpoint is written into ``step_N.tmp`` by every process (weights, optimizer, scheduler, each
+process's RNG state, plus ``training_state.json``: step, tokens, elapsed time), flushed to disk, and
+only then renamed to ``step_N`` by the main process. A rename is atomic, so a process killed at any
+instant leaves either a complete ``step_N`` or a ``.tmp`` folder that ``latest`` ignores: never a
+checkpoint that looks complete but is not. Resuming needs ``output_dir`` on a filesystem all
+processes share (one machine, or a cluster's shared disk).
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+
+import torch
+import yaml
+from accelerate import Accelerator
+
+logger = logging.getLogger(__name__)
+
+STATE_NAME = "training_state.json"
+CHECKPOINT_PATTERN = re.compile(r"step_(\d+)")
+TMP_SUFFIX = ".tmp"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = (
+    "decoderlab",
+    "torch",
+    "transformers",
+    "accelerate",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+)
+
+
+@dataclass
+class TrainState:
+    """Where a run is; saved in every checkpoint so that a resumed run continues the counts."""
+
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # training tokens seen by all processes together
+    elapsed_s: float = 0.0  # wall time spent training so far, summed over resumed runs
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def fsync_tree(folder: pathlib.Path) -> None:
+    """Flush every file, then the folders, so that a rename after this never exposes unwritten data."""
+    for path in sorted(folder.rglob("*"), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for directory in (folder, folder.parent):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    output_dir,
+    state: TrainState,
+    *,
+    tokenizer=None,
+    total_limit: int | None = None,
+) -> pathlib.Path:
+    """Write ``output_dir/step_N`` atomically (see the module docstring) and keep the newest ``total_limit``."""
+    output_dir = pathlib.Path(output_dir)
+    final = output_dir / f"step_{state.step}"
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # every process: weights (main), optimizer, scheduler, its own RNG state
+    if accelerator.is_main_process:
+        (tmp / STATE_NAME).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)  # resuming reuses exactly this vocabulary
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        fsync_tree(tmp)
+        if final.exists():  # saving the same step again (a resumed run that ends where it started)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_tree(final)
+        rotate_checkpoints(output_dir, total_limit)
+        logger.info(f"Saved checkpoint {final}")
+    accelerator.wait_for_everyone()
+    return final
+
+
+def list_checkpoints(output_dir) -> list[pathlib.Path]:
+    """Complete ``step_N`` folders, oldest first."""
+    output_dir = pathlib.Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.iterdir() if p.is_dir() and CHECKPOINT_PATTERN.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_PATTERN.fullmatch(p.name).group(1)))
+
+
+def rotate_checkpoints(output_dir, total_limit: int | None) -> None:
+    if total_limit is None:
+        return
+    for old in list_checkpoints(output_dir)[:-total_limit]:
+        shutil.rmtree(old)
+        logger.info(f"Deleted old checkpoint {old}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming
+
+
+def resolve_checkpoint(spec: str | None, output_dir) -> pathlib.Path | None:
+    """The folder ``--resume_from_checkpoint`` names: ``latest`` (None when there is none yet) or a path."""
+    if spec is None:
+        return None
+    if spec == "latest":
+        checkpoints = list_checkpoints(output_dir)
+        if not checkpoints:
+            logger.info(f"--resume_from_checkpoint latest: no checkpoint in {output_dir} yet, starting from scratch.")
+            return None
+        return checkpoints[-1]
+    path = pathlib.Path(spec)
+    if not (path / STATE_NAME).is_file():
+        found = ", ".join(p.name for p in list_checkpoints(output_dir)) or "none"
+        raise ValueError(
+            f"--resume_from_checkpoint {spec}: not a complete checkpoint (no {STATE_NAME} in it). "
+            f"Pass 'latest' or a step_N folder; checkpoints in {output_dir}: {found}."
+        )
+    return path
+
+
+def load_checkpoint(accelerator: Accelerator, path) -> TrainState:
+    """Restore weights, optimizer, scheduler and RNG states into the prepared objects; return the run's state."""
+    accelerator.load_state(str(path))
+    state = TrainState(**json.loads((pathlib.Path(path) / STATE_NAME).read_text()))
+    logger.info(f"Resumed from {path} at step {state.step}")
+    return state
+
+
+# ----------------------------------------------------------------------------------------------
+# The final folder
+
+
+def git_commit() -> dict:
+    """The commit of the checkout the code runs from, and whether it had uncommitted changes."""
+
+    def git(*args) -> str | None:
+        try:
+            result = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def package_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def hardware_description(accelerator: Accelerator) -> str:
+    """E.g. '2 x NVIDIA H100 80GB HBM3' or '1 process on CPU (AMD EPYC, 2 threads per process)'."""
+    n = accelerator.num_processes
+    if accelerator.device.type == "cuda":
+        return f"{n} x {torch.cuda.get_device_name(accelerator.device)}"
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = re.findall(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+        cpu = names[0].strip() if names else cpu
+    threads = torch.get_num_threads()
+    process, thread = "process" if n == 1 else "processes", "thread" if threads == 1 else "threads"
+    return f"{n} {process} on {accelerator.device.type.upper()} ({cpu}, {threads} {thread} per process)"
+
+
+def run_info(accelerator: Accelerator) -> dict:
+    """What reproduces a run besides its configuration: code version, packages, launch, hardware."""
+    return {
+        "git": git_commit(),
+        "packages": package_versions(),
+        "command": [pathlib.Path(sys.argv[0]).name, *sys.argv[1:]],
+        "num_processes": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "mixed_precision": accelerator.mixed_precision,
+        "hardware": hardware_description(accelerator),
+    }
+
+
+def save_final_folder(
+    accelerator: Accelerator,
+    model,
+    tokenizer,
+    output_dir,
+    config: dict,
+    info: dict,
+) -> pathlib.Path:
+    """Write a complete Hugging Face checkpoint into ``output_dir``: weights (safetensors), config, generation
+    config, tokenizer, the resolved training configuration and ``run_info.json``. ``metrics.jsonl`` is
+    already there (the loop appends to it); the model card is written last, by the script."""
+    output_dir = pathlib.Path(output_dir)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)  # torch.compile's wrapper
+    unwrapped.save_pretrained(
+        output_dir,
+        is_main_process=accelerator.is_main_process,
+        state_dict=accelerator.get_state_dict(model),
+        save_function=accelerator.save,
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+        (output_dir / "training_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        (output_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    accelerator.wait_for_everyone()
+    return output_dir

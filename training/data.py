@@ -1,0 +1,417 @@
+"""Data for training: load a dataset, build or load a tokenizer, tokenize once, pack into blocks, batch.
+
+The path from a dataset to batches:
+
+1. ``load_text_splits``: ``datasets.load_dataset`` on a Hub id, a local Hub-layout folder or local
+   files, optionally streamed; returns the train split and the validation split if there is one.
+2. ``build_tokenizer``: one token per character, a byte-level BPE trained on the data, or an
+   existing tokenizer. Every kind is a ``tokenizers`` tokenizer wrapped for transformers, so
+   ``save_pretrained`` writes ``tokenizer.json`` and ``AutoTokenizer.from_pretrained`` loads it back.
+3. ``pack``: tokenize every text, concatenate (documents separated by the tokenizer's end-of-text
+   token, if it has one) and cut into blocks of ``block_size`` tokens. ``datasets`` caches the result
+   under a fingerprint of the dataset, the tokenizer and the packing settings, so a second run with
+   the same data and tokenizer reads the blocks from disk instead of tokenizing again.
+4. ``BlockBatches`` / ``StreamBatches``: endless batches in a seeded order, sharded over processes,
+   resumable at any batch without replaying the ones before it (``BlockBatches``).
+
+Batches follow the transformers convention: ``labels`` are the input ids and the model shifts them.
+"""
+
+import itertools
+import logging
+import pathlib
+from collections.abc import Iterable, Iterator
+
+import datasets
+import numpy as np
+import torch
+from accelerate import Accelerator
+from datasets.distributed import split_dataset_by_node
+from datasets.fingerprint import Hasher
+from huggingface_hub import constants as hub_constants
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from .args import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+EOS_TOKEN = "<|endoftext|>"
+PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
+
+TextSplit = datasets.Dataset | datasets.IterableDataset
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Loading
+
+
+def load_text_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
+    """(train, validation or None) with ``cfg.text_column_name``; validation is None when the data has none."""
+    if cfg.train_file is not None:
+        splits = load_files(cfg)
+    else:
+        splits = load_named_dataset(cfg)
+    if "train" not in splits:
+        raise ValueError(
+            f"{cfg.dataset_name or cfg.train_file} has no 'train' split, only {list(splits)}. "
+            "Pass a dataset with a train split, or --train_file."
+        )
+    train = splits["train"]
+    validation = splits.get(cfg.validation_split_name)
+    if validation is None and cfg.validation_split_name != "validation":
+        raise ValueError(
+            f"validation_split_name={cfg.validation_split_name!r} is not a split of the dataset; it has {list(splits)}."
+        )
+    for name, split in (("train", train), ("validation", validation)):
+        if split is not None:
+            check_text_column(split, cfg.text_column_name, name)
+    return train, validation
+
+
+def load_files(cfg: TrainConfig) -> dict[str, TextSplit]:
+    data_files = {"train": cfg.train_file}
+    if cfg.validation_file is not None:
+        data_files["validation"] = cfg.validation_file
+    for path in data_files.values():
+        if not pathlib.Path(path).is_file():
+            raise ValueError(
+                f"Data file {path} does not exist. Check the path given to --train_file/--validation_file."
+            )
+    if cfg.dataset_name is not None:
+        logger.info(f"Training on --train_file {cfg.train_file}; dataset_name={cfg.dataset_name!r} is not used.")
+    suffix = pathlib.Path(cfg.train_file).suffix
+    # text files: one row per line, line breaks kept, so concatenating the rows gives the file back
+    extra = {"keep_linebreaks": True} if suffix == ".txt" else {}
+    return datasets.load_dataset(BUILDERS[suffix], data_files=data_files, streaming=cfg.streaming, **extra)
+
+
+def load_named_dataset(cfg: TrainConfig) -> dict[str, TextSplit]:
+    name = cfg.dataset_name
+    try:
+        return datasets.load_dataset(name, cfg.dataset_config_name, streaming=cfg.streaming)
+    except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
+        local = pathlib.Path(name)
+        offline = (
+            " Offline mode is on (HF_HUB_OFFLINE=1), so the Hub was not asked." if hub_constants.HF_HUB_OFFLINE else ""
+        )
+        raise ValueError(
+            f"Could not load dataset {name!r}. Tried it as a local folder ({local.resolve()} "
+            f"{'exists but could not be read' if local.exists() else 'does not exist'}) and as a Hub dataset id "
+            f"({type(err).__name__}: {err}).{offline} Without network access, use a local copy: "
+            "--dataset_name path/to/folder (a folder laid out like the Hub repository, e.g. data/train-*.parquet) "
+            "or --train_file / --validation_file (txt, json, jsonl, parquet or csv)."
+        ) from err
+
+
+def check_text_column(split: TextSplit, column: str, split_name: str) -> None:
+    columns = split.column_names
+    if columns is None:  # a streamed dataset whose features are unknown until read
+        columns = list(next(iter(split)).keys())
+    if column not in columns:
+        raise ValueError(
+            f"The {split_name} split has no column {column!r}; its columns are {columns}. "
+            "Pass --text_column_name with the column that holds the text."
+        )
+
+
+def iter_texts(split: TextSplit, column: str, limit: int | None = None) -> Iterator[str]:
+    """The first ``limit`` texts of a split (all of them when None)."""
+    if isinstance(split, datasets.IterableDataset):
+        rows = (row[column] for row in split)
+    else:
+        rows = (text for batch in split.select_columns(column).iter(batch_size=1000) for text in batch[column])
+    return itertools.islice(rows, limit)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Tokenizers
+
+
+def wrap_tokenizer(tokenizer: Tokenizer, **special_tokens) -> PreTrainedTokenizerFast:
+    """A transformers tokenizer around a ``tokenizers`` one; no clean-up of spaces, so decode(encode(s)) == s."""
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **special_tokens)
+
+
+def train_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    """One token per character; ids are the sorted characters' ranks (nanoGPT's ``shakespeare_char`` ids).
+
+    There is no unknown token, so the vocabulary is exactly the characters seen (65 for Tiny
+    Shakespeare), and encoding a character outside it raises instead of silently changing the text.
+    """
+    chars = sorted(set().union(*map(set, texts)))
+    if not chars:
+        raise ValueError("Cannot build a character vocabulary from empty text.")
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))
+    # every character (newlines included: Oniguruma's (?m) makes '.' match them) is its own word
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # concatenate the characters back, no spaces added
+    return wrap_tokenizer(tokenizer)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2's scheme) trained on ``texts``, with ``<|endoftext|>`` as its end-of-text token."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: no text is ever unknown
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return wrap_tokenizer(tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as err:
+        raise ValueError(
+            f"Could not load tokenizer {name_or_path!r} as a folder or a Hub id ({err}). "
+            "Offline, pass the folder of a saved tokenizer (tokenizer.json + tokenizer_config.json)."
+        ) from err
+
+
+def build_tokenizer(cfg: TrainConfig, train: TextSplit, validation: TextSplit | None) -> PreTrainedTokenizerBase:
+    """The tokenizer ``cfg.tokenizer_type`` asks for, trained on at most ``cfg.tokenizer_train_texts`` texts."""
+    if cfg.tokenizer_type == "pretrained":
+        return load_tokenizer(cfg.tokenizer_name)
+    column, limit = cfg.text_column_name, cfg.tokenizer_train_texts
+    if cfg.tokenizer_type == "char":
+        # characters of both splits, so that evaluation never meets an unknown one
+        texts = itertools.chain(
+            iter_texts(train, column, limit), iter_texts(validation, column, limit) if validation else ()
+        )
+        return train_char_tokenizer(texts)
+    return train_bpe_tokenizer(iter_texts(train, column, limit), cfg.bpe_vocab_size)
+
+
+def tokenizer_for_run(
+    cfg: TrainConfig, accelerator: Accelerator, train: TextSplit, validation: TextSplit | None, checkpoint=None
+) -> PreTrainedTokenizerBase:
+    """A resumed run's tokenizer is its checkpoint's. Otherwise the main process builds it and saves it
+    into ``output_dir``, and the other processes load that copy (BPE training is not promised to be
+    bit-for-bit reproducible, so each process training its own could disagree)."""
+    if checkpoint is not None:
+        return load_tokenizer(str(checkpoint))
+    with accelerator.main_process_first():
+        if accelerator.is_main_process:
+            tokenizer = build_tokenizer(cfg, train, validation)
+            tokenizer.save_pretrained(cfg.output_dir)
+        else:
+            tokenizer = load_tokenizer(cfg.output_dir)
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Packing
+
+
+def pack(split: TextSplit, tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, split_name: str) -> TextSplit:
+    """Tokenize the texts of ``split`` and cut their concatenation into rows of ``block_size`` ``input_ids``.
+
+    Map-style splits are cached by ``datasets`` under a fingerprint of (the split, the tokenizer, the
+    packing settings); the tail of each batch of 1000 texts that does not fill a block is dropped.
+    """
+    block_size, column = cfg.block_size, cfg.text_column_name
+    separator = [tokenizer.eos_token_id] if separates_documents(tokenizer, cfg) else []
+
+    def tokenize_and_cut(batch: dict) -> dict:
+        ids = tokenizer(batch[column], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        flat = np.fromiter(itertools.chain.from_iterable(row + separator for row in ids), dtype=np.int64)
+        n_blocks = len(flat) // block_size
+        return {"input_ids": flat[: n_blocks * block_size].reshape(n_blocks, block_size)}
+
+    columns = split.column_names or list(next(iter(split)))  # a stream may not know its columns before reading
+    kwargs = dict(batched=True, remove_columns=columns)
+    if isinstance(split, datasets.Dataset):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        tokenizer_state = backend.to_str() if backend is not None else Hasher.hash(tokenizer)
+        fingerprint = Hasher.hash([split._fingerprint, tokenizer_state, block_size, column, separator, PACKING_VERSION])
+        kwargs.update(
+            new_fingerprint=fingerprint,
+            load_from_cache_file=not cfg.overwrite_cache,
+            num_proc=cfg.preprocessing_num_workers,
+            desc=f"Tokenizing and packing {split_name} into blocks of {block_size}",
+        )
+    return split.map(tokenize_and_cut, **kwargs)
+
+
+def separates_documents(tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig) -> bool:
+    """End-of-text between rows when the tokenizer has one and rows are documents (not the lines of a .txt)."""
+    rows_are_lines = cfg.train_file is not None and cfg.train_file.endswith(".txt")
+    return tokenizer.eos_token_id is not None and not rows_are_lines
+
+
+def block_tensor(blocks: datasets.Dataset) -> torch.Tensor:
+    """All packed blocks as one (N, block_size) tensor (int32 when the ids fit), read straight from Arrow."""
+    if blocks.num_rows == 0:  # an empty map result has no columns at all
+        return torch.empty(0, 0, dtype=torch.int64)
+    column = blocks.data.column("input_ids")
+    flat = np.concatenate([chunk.flatten().to_numpy() for chunk in column.chunks])
+    tensor = torch.from_numpy(flat.reshape(blocks.num_rows, -1))
+    return tensor.to(torch.int32) if tensor.max() < 2**31 else tensor
+
+
+def too_short_error(split: TextSplit, tokenizer, cfg: TrainConfig, split_name: str, needed: int = 1) -> ValueError:
+    n_tokens = sum(
+        len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for text in iter_texts(split, cfg.text_column_name, 10_000)
+    )
+    return ValueError(
+        f"The {split_name} text is too short: it has {n_tokens} tokens, fewer than {needed} block(s) of "
+        f"block_size={cfg.block_size} tokens. Lower --block_size or give more text."
+    )
+
+
+def split_blocks(blocks: torch.Tensor, percentage: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation): the last ``percentage`` % of the blocks validate (nanoGPT's split is the last 10 %)."""
+    n_validation = max(1, round(len(blocks) * percentage / 100))
+    return blocks[: len(blocks) - n_validation], blocks[len(blocks) - n_validation :]
+
+
+def prepare_map_style(
+    train: datasets.Dataset, validation: datasets.Dataset | None, tokenizer, cfg: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train blocks, validation blocks) as tensors; validation is carved off train when the data has none."""
+    train_blocks = block_tensor(pack(train, tokenizer, cfg, "train"))
+    if validation is None:
+        if len(train_blocks) < 2:
+            raise too_short_error(train, tokenizer, cfg, "train", needed=2)
+        logger.info(f"No validation split: the last {cfg.validation_split_percentage}% of the train blocks validate.")
+        return split_blocks(train_blocks, cfg.validation_split_percentage)
+    if len(train_blocks) == 0:
+        raise too_short_error(train, tokenizer, cfg, "train")
+    validation_blocks = block_tensor(pack(validation, tokenizer, cfg, "validation"))
+    if len(validation_blocks) == 0:
+        raise too_short_error(validation, tokenizer, cfg, "validation")
+    return train_blocks, validation_blocks
+
+
+def prepare_streaming(
+    train: datasets.IterableDataset, validation: datasets.IterableDataset | None, tokenizer, cfg: TrainConfig
+) -> tuple[datasets.IterableDataset, torch.Tensor]:
+    """(train blocks, streamed; validation blocks, in memory): without a validation split the first
+    ``streaming_validation_texts`` texts validate and training skips them."""
+    if validation is None:
+        validation = train.take(cfg.streaming_validation_texts)
+        train = train.skip(cfg.streaming_validation_texts)
+    limit = cfg.max_eval_samples if cfg.max_eval_samples is not None else None
+    rows = list(itertools.islice(pack(validation, tokenizer, cfg, "validation"), limit))
+    if not rows:
+        raise too_short_error(validation, tokenizer, cfg, "validation")
+    return pack(train, tokenizer, cfg, "train"), torch.from_numpy(np.stack([np.asarray(r["input_ids"]) for r in rows]))
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Batches
+
+
+class BlockBatches:
+    """Endless batches of packed blocks: seeded, sharded over processes, resumable at any batch.
+
+    Global batch ``b`` holds blocks ``order[b * G : (b + 1) * G]`` of its epoch's permutation, with
+    ``G = batch_size * num_processes``; process ``r`` takes rows ``[r * batch_size, (r + 1) * batch_size)``
+    of it. The permutation depends only on ``(seed, epoch)``, so ``iterate(start=b)`` yields exactly
+    what an uninterrupted run yields from batch ``b`` on, and one process with batch size ``G`` sees
+    the same blocks at each step as ``num_processes`` processes with ``batch_size`` each. Blocks left
+    over after the last full global batch of an epoch are skipped in that epoch only.
+    """
+
+    def __init__(
+        self, blocks: torch.Tensor, batch_size: int, seed: int, process_index: int = 0, num_processes: int = 1
+    ):
+        self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
+        self.process_index, self.global_batch_size = process_index, batch_size * num_processes
+        self.batches_per_epoch = len(blocks) // self.global_batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"Only {len(blocks)} training blocks, fewer than one global batch of {self.global_batch_size} "
+                f"({batch_size} per process x {num_processes} processes). Lower the batch size or block_size, "
+                "or give more text."
+            )
+
+    def order(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(len(self.blocks), generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def iterate(self, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, index = divmod(start, self.batches_per_epoch)
+        order = self.order(epoch)
+        while True:
+            if index == self.batches_per_epoch:
+                epoch, index, order = epoch + 1, 0, self.order(epoch + 1)
+            first = index * self.global_batch_size + self.process_index * self.batch_size
+            input_ids = self.blocks[order[first : first + self.batch_size]].long()  # (B, T)
+            yield {"input_ids": input_ids, "labels": input_ids}
+            index += 1
+
+
+class StreamBatches:
+    """Batches of a streamed, packed dataset, shuffled through a buffer and split over processes.
+
+    Resuming at batch ``b`` re-reads and drops the first ``b`` batches (a stream cannot seek), so
+    a resumed run sees the same batches as an uninterrupted one, at the cost of reading them again.
+    """
+
+    def __init__(
+        self,
+        blocks: datasets.IterableDataset,
+        batch_size: int,
+        seed: int,
+        process_index: int = 0,
+        num_processes: int = 1,
+        shuffle_buffer_size: int = 10_000,
+    ):
+        shard = split_dataset_by_node(blocks, rank=process_index, world_size=num_processes)
+        self.blocks = shard.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
+        self.batch_size = batch_size
+
+    def iterate(self, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        if start:
+            logger.info(f"Resuming a streamed dataset: reading past the first {start} batches.")
+        for epoch in itertools.count():
+            self.blocks.set_epoch(epoch)
+            full_batches = 0
+            for batch in batched((row["input_ids"] for row in self.blocks), self.batch_size):
+                if len(batch) < self.batch_size:
+                    break  # the epoch's incomplete last batch
+                full_batches += 1
+                if start:
+                    start -= 1
+                    continue
+                input_ids = torch.from_numpy(np.stack([np.asarray(row) for row in batch]))  # (B, T)
+                yield {"input_ids": input_ids, "labels": input_ids}
+            if full_batches == 0:
+                raise ValueError(
+                    f"The streamed training data holds fewer than {self.batch_size} blocks for this process: "
+                    "lower the batch size or block_size, or give more text."
+                )
+
+
+def batched(rows: Iterable, n: int) -> Iterator[list]:
+    """Lists of ``n`` consecutive items (the last one shorter); ``itertools.batched`` from Python 3.12 on."""
+    rows = iter(rows)
+    while batch := list(itertools.islice(rows, n)):
+        yield batch
+
+
+def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None):
+    """(tokenizer, training batches, validation blocks) for ``cfg``; downloads, tokenizer training and
+    tokenization happen on the main process first, the others then read its caches."""
+    with accelerator.main_process_first():
+        train, validation = load_text_splits(cfg)
+    tokenizer = tokenizer_for_run(cfg, accelerator, train, validation, checkpoint)
+    shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+    with accelerator.main_process_first():
+        if cfg.streaming:
+            train_blocks, eval_blocks = prepare_streaming(train, validation, tokenizer, cfg)
+            batches = StreamBatches(
+                train_blocks, cfg.per_device_train_batch_size, shuffle_buffer_size=cfg.shuffle_buffer_size, **shard
+            )
+        else:
+            train_blocks, eval_blocks = prepare_map_style(train, validation, tokenizer, cfg)
+            batches = BlockBatches(train_blocks, cfg.per_device_train_batch_size, **shard)
+    return tokenizer, batches, eval_blocks

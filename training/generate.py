@@ -1,0 +1,76 @@
+"""Print text sampled from a checkpoint.
+
+    python training/generate.py out/shakespeare_char --prompt "ROMEO:" --max_new_tokens 300
+
+The checkpoint is any folder (or Hub id) that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load.
+A model trained on blocks of ``max_position_embeddings`` tokens has never seen a longer context, so
+longer texts are generated in a sliding window: each chunk continues the last half-window of text
+and stops before the window is full, so no token is predicted from more context than training used.
+"""
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
+
+
+def generate_in_window(
+    model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, window: int, **generate_kwargs
+) -> torch.Tensor:
+    """``input_ids`` (1, T) followed by up to ``max_new_tokens`` sampled tokens, never attending over more
+    than ``window`` tokens: after the first chunk, each chunk starts from the last ``window // 2`` tokens."""
+    ids = input_ids
+    remaining = max_new_tokens
+    while remaining > 0:
+        context = ids[:, -(window // 2) :] if ids.shape[1] >= window else ids
+        n = min(remaining, window - context.shape[1])
+        out = model.generate(context, max_new_tokens=n, **generate_kwargs)
+        new = out[:, context.shape[1] :]
+        ids = torch.cat([ids, new], dim=1)
+        remaining -= n
+        eos = model.generation_config.eos_token_id
+        if new.shape[1] < n or (eos is not None and new.shape[1] and int(new[0, -1]) == eos):
+            break  # the model ended the text
+    return ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Print a sample from a checkpoint.")
+    parser.add_argument("checkpoint", help="folder or Hub id of a saved model and tokenizer")
+    parser.add_argument("--prompt", default="\n", help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=300)
+    parser.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's generation config")
+    parser.add_argument("--top_k", type=int, default=None, help="default: the checkpoint's generation config")
+    parser.add_argument("--greedy", action="store_true", help="most likely token each step instead of sampling")
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--window", type=int, default=None, help="context window (default: max_position_embeddings)")
+    args = parser.parse_args(argv)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
+    try:
+        input_ids = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    except Exception as err:  # e.g. a character the character-level vocabulary does not have
+        raise SystemExit(
+            f"The prompt {args.prompt!r} cannot be tokenized by {args.checkpoint}'s tokenizer: {err}"
+        ) from err
+    if input_ids.shape[1] == 0:
+        raise SystemExit("The prompt is empty after tokenization; pass some text with --prompt.")
+    window = args.window or model.config.max_position_embeddings
+    options = {"do_sample": not args.greedy}
+    if not args.greedy:
+        options.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k)) if v is not None})
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        for i in range(args.num_samples):
+            ids = generate_in_window(model, input_ids, args.max_new_tokens, window, **options)
+            if args.num_samples > 1:
+                print(f"--- sample {i + 1}")
+            print(tokenizer.decode(ids[0], skip_special_tokens=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Pretrain a decoderlab model from scratch on a public dataset: the project's main job.
+
+    accelerate launch training/pretrain.py --config training/configs/shakespeare_char.yaml [--FIELD VALUE ...]
+    python training/pretrain.py --config training/configs/shakespeare_char.yaml \\
+        --dataset_name ../shared/data/tiny_shakespeare          # offline: a local copy of the dataset
+    torchrun --standalone --nproc_per_node 2 training/pretrain.py --config ...   # two processes (DDP)
+
+The result in ``--output_dir`` loads with ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained``; ``python training/generate.py OUTPUT_DIR --prompt "ROMEO:"``
+prints a sample. Every field of ``training.args.TrainConfig`` is a flag (``--help`` lists them).
+"""
+
+import logging
+import math
+
+import datasets
+import transformers
+from accelerate.utils import set_seed
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+from decoderlab.model_card import write_model_card
+from decoderlab.push import push_to_hub
+from training.args import TrainConfig, parse_config
+from training.checkpointing import TrainState, hardware_description, resolve_checkpoint, run_info, save_final_folder
+from training.data import prepare_data
+from training.loop import TrainResult, make_accelerator, train
+
+logger = logging.getLogger("training.pretrain")
+
+
+def build_model(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A fresh ``DecoderLabForCausalLM`` sized by ``cfg.model`` and the tokenizer, or ``cfg.model_name_or_path``.
+
+    The vocabulary defaults to the tokenizer's and may be larger (padding to a multiple of 64 is a
+    common speed trick), never smaller; ``max_position_embeddings`` defaults to ``block_size``.
+    """
+    if cfg.model_name_or_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path)
+    else:
+        fields = {"vocab_size": len(tokenizer), "max_position_embeddings": cfg.block_size, **cfg.model}
+        fields.setdefault("eos_token_id", tokenizer.eos_token_id)
+        fields.setdefault("bos_token_id", tokenizer.bos_token_id)
+        model = DecoderLabForCausalLM(DecoderLabConfig(**fields))
+    config = model.config
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"The model's vocab_size={config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens. "
+            "Leave model.vocab_size unset (it follows the tokenizer) or make it at least that large."
+        )
+    fixed_table = getattr(config, "position_embedding_type", None) in ("learned", "sinusoidal")
+    if fixed_table and config.max_position_embeddings < cfg.block_size:
+        raise ValueError(
+            f"model.max_position_embeddings={config.max_position_embeddings} is shorter than block_size="
+            f"{cfg.block_size}: {config.position_embedding_type} positions have one entry per position. "
+            "Raise it or lower --block_size."
+        )
+    # sampling defaults for generate() and pipelines (nanoGPT's sample.py uses temperature 0.8)
+    generation = model.generation_config
+    generation.do_sample, generation.temperature, generation.top_k, generation.max_new_tokens = True, 0.8, 200, 256
+    generation.pad_token_id = generation.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes: int) -> dict:
+    """The recipe as the model card shows it."""
+    state: TrainState = result.state
+    return {
+        "steps": state.step,
+        "tokens": state.tokens,
+        "batch_size": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes,
+        "block_size": cfg.block_size,
+        "learning_rate": cfg.learning_rate,
+        "precision": "fp32" if cfg.mixed_precision == "no" else f"{cfg.mixed_precision} autocast",
+        "hardware": hardware,
+        "wall_time_s": round(state.elapsed_s, 1),
+        "final_train_loss": result.train_loss,
+        "final_eval_loss": result.eval_metrics["eval_loss"],
+        "tokenizer": cfg.tokenizer_type if cfg.tokenizer_type != "pretrained" else cfg.tokenizer_name,
+        "prompt": cfg.sample_prompt,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(TrainConfig, argv)
+    accelerator = make_accelerator(cfg)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+    )
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per file of every checkpoint
+    if not accelerator.is_main_process:
+        datasets.disable_progress_bars()
+        transformers.utils.logging.set_verbosity_error()
+    set_seed(cfg.seed)
+
+    checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    tokenizer, batches, eval_blocks = prepare_data(cfg, accelerator, checkpoint)
+    model = build_model(cfg, tokenizer)
+    logger.info(
+        f"{model.num_parameters():,} parameters, {len(tokenizer)} tokens in the vocabulary, "
+        f"{accelerator.num_processes} process(es) on {accelerator.device}, {len(eval_blocks)} validation blocks"
+    )
+    result = train(model, batches, eval_blocks, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
+
+    info = run_info(accelerator)
+    save_final_folder(accelerator, result.model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
+    accelerator.end_training()
+    if not accelerator.is_main_process:
+        return
+    dataset = cfg.train_file or cfg.dataset_name
+    eval_loss = result.eval_metrics["eval_loss"]
+    write_model_card(
+        cfg.output_dir,
+        dataset=dataset,
+        training=summary(cfg, result, hardware_description(accelerator), accelerator.num_processes),
+        eval_results={
+            "eval_loss": eval_loss,
+            "perplexity": math.exp(eval_loss),
+            "dataset": dataset,
+            "split": "validation",
+        },
+    )
+    print(
+        f"Trained {result.state.step} steps ({result.state.tokens:,} tokens) in {result.state.elapsed_s:.1f} s: "
+        f"train loss {result.train_loss:.4f}, validation loss {eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f}) "
+        f"over all {len(eval_blocks)} validation blocks.\n"
+        f"Saved to {cfg.output_dir}. Sample from it: python training/generate.py {cfg.output_dir} --prompt "
+        f"{cfg.sample_prompt!r}"
+    )
+    if cfg.push_to_hub:
+        url = push_to_hub(cfg.output_dir, cfg.hub_model_id, commit_message=f"Pretrained {result.state.step} steps")
+        print(f"Pushed {cfg.output_dir} to {url}")
+
+
+if __name__ == "__main__":
+    main()
