@@ -30,6 +30,7 @@ TEMPLATE_NAME = "template.md"
 LICENSE = "apache-2.0"
 HUB_ID_PLACEHOLDER = "<hub-user>/<model-name>"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+EVALUATION_SECTION = re.compile(r"^## Evaluation\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
 
 # One line per DecoderLabConfig switch, shown beside its value in the architecture table
 SWITCH_MEANINGS = {
@@ -377,11 +378,13 @@ def write_model_card(
     base_model: str | None = None,
     training: dict | None = None,
     eval_results: dict | None = None,
+    config: DecoderLabConfig | None = None,
 ) -> pathlib.Path:
     """Write ``README.md`` (and ``training_curve.png`` when ``metrics.jsonl`` exists) into a checkpoint folder.
 
     Args:
-        checkpoint_dir: a folder with ``config.json`` (a DecoderLabConfig) and optionally ``metrics.jsonl``.
+        checkpoint_dir: a folder with ``config.json`` (a DecoderLabConfig) and optionally ``metrics.jsonl``;
+            without ``config.json`` (a LoRA adapter folder) when ``config`` is given.
         dataset: the training data, a Hub dataset id or a local path (only its folder name is published).
         base_model: the Hub id of the model this one was fine-tuned from.
         training: the recipe the script ran (``steps``, ``tokens``, ``batch_size``, ``block_size``,
@@ -390,14 +393,18 @@ def write_model_card(
             ``prompt`` sets the prompt of the card's generation example.
         eval_results: measured metrics, e.g. ``{"eval_loss": 1.47, "perplexity": 4.35,
             "dataset": "karpathy/tiny_shakespeare", "split": "validation"}``; they become the ``model-index``.
+        config: the architecture to describe, instead of the folder's ``config.json`` (an adapter's base model).
 
     Returns:
         The path of the written README.md.
     """
     folder = pathlib.Path(checkpoint_dir)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no config.json: write_model_card needs a saved decoderlab checkpoint.")
-    config = DecoderLabConfig.from_pretrained(folder)
+    if config is None:
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{folder} has no config.json: write_model_card needs a saved decoderlab checkpoint."
+            )
+        config = DecoderLabConfig.from_pretrained(folder)
     training = dict(training or {})
     prompt = training.pop("prompt", "Once upon a time")
     metrics_path = folder / METRICS_NAME
@@ -451,6 +458,38 @@ def write_model_card(
     path = folder / CARD_NAME
     card.save(path)
     logger.info(f"Wrote the model card {path}")
+    return path
+
+
+def add_eval_results(checkpoint_dir, eval_results: dict, *, dataset: str | None = None) -> pathlib.Path:
+    """Record new measurements in a checkpoint's card: its ``model-index`` and its Evaluation table.
+
+    ``eval_results`` is ``write_model_card``'s argument. Earlier results for the same dataset, configuration,
+    split and metric are replaced, all others kept. A folder without a card gets one from ``write_model_card``.
+    """
+    folder = pathlib.Path(checkpoint_dir)
+    path = folder / CARD_NAME
+    if not path.is_file():
+        return write_model_card(folder, dataset=dataset, eval_results=eval_results)
+    card = ModelCard.load(path)
+    new, _ = evaluation(eval_results, dataset)
+    key = lambda r: (r.dataset_type, r.dataset_config, r.dataset_split, r.metric_type)
+    replaced = {key(r) for r in new}
+    results = [r for r in card.data.eval_results or [] if key(r) not in replaced] + new
+    card.data.eval_results = results
+    card.data.model_name = card.data.model_name or folder.resolve().name  # model-index entries need a name
+    rows = [
+        f"| {r.metric_name or r.metric_type} | {r.metric_value:.4g} | {r.dataset_name} | {r.dataset_split or ''} |"
+        for r in results
+    ]
+    section = "\n".join(
+        ["## Evaluation", "", "| Metric | Value | Dataset | Split |", "|---|---|---|---|", *rows, "",
+         "The same numbers are in this card's `model-index` metadata.", "", ""]
+    )  # fmt: skip
+    text, found = EVALUATION_SECTION.subn(lambda _: section, card.text, count=1)
+    card.text = text if found else card.text.rstrip("\n") + "\n\n" + section
+    card.save(path)
+    logger.info(f"Added evaluation results to {path}")
     return path
 
 

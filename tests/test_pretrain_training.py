@@ -81,6 +81,21 @@ def subprocess_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+def kill_when_saved(command: list[str], checkpoint: pathlib.Path, timeout: float = 300) -> None:
+    """Run ``command`` and SIGKILL it as soon as the checkpoint folder ``checkpoint`` appears (the fine-tuning
+    tests use this too)."""
+    process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while not checkpoint.exists():
+        assert process.poll() is None, f"the run ended before it could be killed:\n{process.stderr.read().decode()}"
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop's parts
 
@@ -215,6 +230,13 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
     sample = capsys.readouterr().out
     assert sample.startswith("ROMEO:") and len(sample.rstrip("\n")) == len("ROMEO:") + 40
 
+    # --stop ends the (greedy, so repeatable) text right after the first occurrence of the stop string
+    generate.main([str(out), "--prompt", "ROMEO:", "--max_new_tokens", "40", "--greedy"])
+    full = capsys.readouterr().out[len("ROMEO:") : -1]  # print's newline removed
+    stop = full[10:12]
+    generate.main([str(out), "--prompt", "ROMEO:", "--max_new_tokens", "40", "--greedy", "--stop", stop])
+    assert capsys.readouterr().out == "ROMEO:" + full[: full.index(stop) + len(stop)] + "\n"
+
 
 @pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_losses(tmp_path, text_files):
@@ -231,16 +253,7 @@ def test_sigkilled_run_resumes_to_the_same_losses(tmp_path, text_files):
     pretrain.main(tiny_argv(text_files, reference, *steps))
 
     command = [sys.executable, str(PRETRAIN), *tiny_argv(text_files, interrupted, *steps)]
-    process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while not (interrupted / "step_50").exists():
-        assert process.poll() is None, f"the run ended before it could be killed:\n{process.stderr.read().decode()}"
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
-    assert process.returncode == -signal.SIGKILL
+    kill_when_saved(command, interrupted / "step_50")
     killed_at = max(int(p.name.split("_")[1]) for p in list_checkpoints(interrupted))
     assert killed_at < 300, "the kill came after the last checkpoint: nothing was resumed"
 

@@ -4,6 +4,10 @@
 - ``training.data``: datasets, tokenizers, tokenize-once caching, packing into blocks, resumable batches.
 - ``training.loop``: optimizer, schedule, the accumulation/clipping/mixed-precision loop, evaluation, logging.
 - ``training.checkpointing``: crash-safe Accelerate checkpoints, resume, and the final Hugging Face folder.
+- ``training.finetune_args``: ``FinetuneConfig``, the fine-tuning configuration (base checkpoint, data format, LoRA).
+- ``training.sft_data``: fine-tuning data: prompt/completion and chat examples with completion-only labels,
+  packed (examples kept apart) or padded.
 
-Nothing here prints or reads environment variables; the scripts (``pretrain.py``, ``generate.py``) own the console.
+Nothing here prints or reads environment variables; the scripts (``pretrain.py``, ``finetune.py``,
+``evaluate.py``, ``generate.py``, ``shakespeare_sft_data.py``) own the console.
 """

@@ -49,6 +49,15 @@ TextSplit = datasets.Dataset | datasets.IterableDataset
 
 def load_text_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
     """(train, validation or None) with ``cfg.text_column_name``; validation is None when the data has none."""
+    train, validation = load_splits(cfg)
+    for name, split in (("train", train), ("validation", validation)):
+        if split is not None:
+            check_text_column(split, cfg.text_column_name, name)
+    return train, validation
+
+
+def load_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
+    """(train, validation or None) as loaded, whatever their columns (fine-tuning data checks its own)."""
     if cfg.train_file is not None:
         splits = load_files(cfg)
     else:
@@ -64,9 +73,6 @@ def load_text_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
         raise ValueError(
             f"validation_split_name={cfg.validation_split_name!r} is not a split of the dataset; it has {list(splits)}."
         )
-    for name, split in (("train", train), ("validation", validation)):
-        if split is not None:
-            check_text_column(split, cfg.text_column_name, name)
     return train, validation
 
 
@@ -319,23 +325,34 @@ class BlockBatches:
     what an uninterrupted run yields from batch ``b`` on, and one process with batch size ``G`` sees
     the same blocks at each step as ``num_processes`` processes with ``batch_size`` each. Blocks left
     over after the last full global batch of an epoch are skipped in that epoch only.
+
+    ``blocks`` is an (N, T) tensor of token ids (batches: ``input_ids`` and ``labels``, the same ids), or,
+    for fine-tuning, a dict of (N, T) tensors whose rows belong together (``input_ids``, ``labels`` with
+    -100 where no loss is taken, ``attention_mask`` or ``position_ids``): batches then hold those rows.
     """
 
     def __init__(
-        self, blocks: torch.Tensor, batch_size: int, seed: int, process_index: int = 0, num_processes: int = 1
+        self,
+        blocks: torch.Tensor | dict[str, torch.Tensor],
+        batch_size: int,
+        seed: int,
+        process_index: int = 0,
+        num_processes: int = 1,
     ):
         self.blocks, self.batch_size, self.seed = blocks, batch_size, seed
+        self.rows = blocks if isinstance(blocks, dict) else {"input_ids": blocks}  # {name: (N, T)}
+        self.num_blocks = len(self.rows["input_ids"])
         self.process_index, self.global_batch_size = process_index, batch_size * num_processes
-        self.batches_per_epoch = len(blocks) // self.global_batch_size
+        self.batches_per_epoch = self.num_blocks // self.global_batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(
-                f"Only {len(blocks)} training blocks, fewer than one global batch of {self.global_batch_size} "
+                f"Only {self.num_blocks} training blocks, fewer than one global batch of {self.global_batch_size} "
                 f"({batch_size} per process x {num_processes} processes). Lower the batch size or block_size, "
                 "or give more text."
             )
 
     def order(self, epoch: int) -> torch.Tensor:
-        return torch.randperm(len(self.blocks), generator=torch.Generator().manual_seed(self.seed + epoch))
+        return torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(self.seed + epoch))
 
     def iterate(self, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         epoch, index = divmod(start, self.batches_per_epoch)
@@ -344,8 +361,10 @@ class BlockBatches:
             if index == self.batches_per_epoch:
                 epoch, index, order = epoch + 1, 0, self.order(epoch + 1)
             first = index * self.global_batch_size + self.process_index * self.batch_size
-            input_ids = self.blocks[order[first : first + self.batch_size]].long()  # (B, T)
-            yield {"input_ids": input_ids, "labels": input_ids}
+            picked = order[first : first + self.batch_size]
+            batch = {name: rows[picked].long() for name, rows in self.rows.items()}  # each (B, T)
+            batch.setdefault("labels", batch["input_ids"])
+            yield batch
             index += 1
 
 
@@ -398,12 +417,14 @@ def batched(rows: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
-def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None):
+def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None, tokenizer=None):
     """(tokenizer, training batches, validation blocks) for ``cfg``; downloads, tokenizer training and
-    tokenization happen on the main process first, the others then read its caches."""
+    tokenization happen on the main process first, the others then read its caches. A given ``tokenizer``
+    (fine-tuning: the base model's) is used as it is instead of ``tokenizer_for_run``'s."""
     with accelerator.main_process_first():
         train, validation = load_text_splits(cfg)
-    tokenizer = tokenizer_for_run(cfg, accelerator, train, validation, checkpoint)
+    if tokenizer is None:
+        tokenizer = tokenizer_for_run(cfg, accelerator, train, validation, checkpoint)
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     with accelerator.main_process_first():
         if cfg.streaming:

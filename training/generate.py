@@ -1,11 +1,14 @@
 """Print text sampled from a checkpoint.
 
     python training/generate.py out/shakespeare_char --prompt "ROMEO:" --max_new_tokens 300
+    python training/generate.py out/shakespeare_chat --prompt $'USER: Speak as ROMEO\n\nASSISTANT: ' --stop $'\n\n'
 
 The checkpoint is any folder (or Hub id) that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load.
 A model trained on blocks of ``max_position_embeddings`` tokens has never seen a longer context, so
 longer texts are generated in a sliding window: each chunk continues the last half-window of text
 and stops before the window is full, so no token is predicted from more context than training used.
+``--stop TEXT`` ends a sample where TEXT first appears (transformers' ``stop_strings``): the way to end
+an answer for a tokenizer without an end-of-text token, such as the character-level one.
 """
 
 import argparse
@@ -17,10 +20,19 @@ import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
 
 
 def generate_in_window(
-    model: PreTrainedModel, input_ids: torch.Tensor, max_new_tokens: int, window: int, **generate_kwargs
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    window: int,
+    stop_strings: list[str] | None = None,
+    tokenizer=None,
+    **generate_kwargs,
 ) -> torch.Tensor:
     """``input_ids`` (1, T) followed by up to ``max_new_tokens`` sampled tokens, never attending over more
-    than ``window`` tokens: after the first chunk, each chunk starts from the last ``window // 2`` tokens."""
+    than ``window`` tokens: after the first chunk, each chunk starts from the last ``window // 2`` tokens.
+    With ``stop_strings`` (and the ``tokenizer``), the text ends once one of them has been generated."""
+    if stop_strings:
+        generate_kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
     ids = input_ids
     remaining = max_new_tokens
     while remaining > 0:
@@ -33,6 +45,8 @@ def generate_in_window(
         eos = model.generation_config.eos_token_id
         if new.shape[1] < n or (eos is not None and new.shape[1] and int(new[0, -1]) == eos):
             break  # the model ended the text
+        if stop_strings and any(s in tokenizer.decode(ids[0, input_ids.shape[1] :]) for s in stop_strings):
+            break  # a stop string that spans two chunks
     return ids
 
 
@@ -47,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--window", type=int, default=None, help="context window (default: max_position_embeddings)")
+    parser.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT", help="end a sample where TEXT appears (repeatable)"
+    )
     args = parser.parse_args(argv)
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
@@ -66,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     with torch.no_grad():
         for i in range(args.num_samples):
-            ids = generate_in_window(model, input_ids, args.max_new_tokens, window, **options)
+            ids = generate_in_window(model, input_ids, args.max_new_tokens, window, args.stop, tokenizer, **options)
             if args.num_samples > 1:
                 print(f"--- sample {i + 1}")
             print(tokenizer.decode(ids[0], skip_special_tokens=True))

@@ -19,7 +19,9 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
+import datasets
 import torch
+import transformers
 from accelerate import Accelerator
 from torch import nn
 from tqdm.auto import tqdm
@@ -53,6 +55,19 @@ def make_accelerator(cfg: TrainConfig, cpu: bool = False) -> Accelerator:
         log_with=[name.strip() for name in cfg.report_to.split(",")] if cfg.with_tracking else None,
         project_dir=cfg.output_dir,
     )
+
+
+def setup_script_logging(accelerator: Accelerator) -> None:
+    """The console of a training script's ``main()``: INFO logs from the main process only, warnings from the
+    others, whose progress bars are off. Called by the scripts, never by the library."""
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+    )
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per file of every checkpoint
+    if not accelerator.is_main_process:
+        datasets.disable_progress_bars()
+        transformers.utils.logging.set_verbosity_error()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,22 +125,32 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, num_train
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, blocks: torch.Tensor, batch_size: int, accelerator: Accelerator, max_samples: int | None = None
+    model: nn.Module,
+    blocks: torch.Tensor | dict[str, torch.Tensor],
+    batch_size: int,
+    accelerator: Accelerator,
+    max_samples: int | None = None,
 ) -> dict[str, float]:
     """Mean next-token loss (and its exp, the perplexity) over ``blocks`` (N, T), each predicted token weighted once.
 
+    ``blocks`` may also be a dict of (N, T) model inputs (``BlockBatches``' fine-tuning rows): then only
+    targets whose ``labels`` are not -100 count, e.g. the completion tokens of prompt/completion pairs.
     Process ``r`` evaluates blocks ``r, r + P, r + 2P, ...``; the sums are reduced over processes, so
     every block counts exactly once whatever the number of processes.
     """
     was_training = model.training
     model.eval()
-    blocks = blocks[:max_samples] if max_samples is not None else blocks
+    rows = blocks if isinstance(blocks, dict) else {"input_ids": blocks}
+    mine = slice(accelerator.process_index, None, accelerator.num_processes)
+    rows = {name: column[:max_samples][mine] for name, column in rows.items()}
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (sum of losses, predicted tokens)
-    for chunk in blocks[accelerator.process_index :: accelerator.num_processes].split(batch_size):
-        input_ids = chunk.long().to(accelerator.device)
-        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss  # mean over B * (T - 1) tokens
-        n_predicted = input_ids.numel() - input_ids.shape[0]
-        totals += torch.stack([loss.double() * n_predicted, torch.tensor(n_predicted, dtype=torch.float64)])
+    for start in range(0, len(rows["input_ids"]), batch_size):
+        batch = {name: x[start : start + batch_size].long().to(accelerator.device) for name, x in rows.items()}
+        labels = batch.setdefault("labels", batch["input_ids"])
+        loss = model(**batch, use_cache=False).loss  # mean over the predicted tokens of the batch
+        n_predicted = (labels[:, 1:] != -100).sum().double()  # position t predicts labels[t + 1]
+        # a batch with nothing to predict has loss 0/0 = nan and weight 0: it adds nothing
+        totals += torch.stack([torch.where(n_predicted > 0, loss.double() * n_predicted, 0.0), n_predicted])
     totals = accelerator.reduce(totals, reduction="sum")
     model.train(was_training)
     eval_loss = (totals[0] / totals[1]).item()

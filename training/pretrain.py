@@ -13,8 +13,6 @@ prints a sample. Every field of ``training.args.TrainConfig`` is a flag (``--hel
 import logging
 import math
 
-import datasets
-import transformers
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -24,7 +22,7 @@ from decoderlab.push import push_to_hub
 from training.args import TrainConfig, parse_config
 from training.checkpointing import TrainState, hardware_description, resolve_checkpoint, run_info, save_final_folder
 from training.data import prepare_data
-from training.loop import TrainResult, make_accelerator, train
+from training.loop import TrainResult, make_accelerator, setup_script_logging, train
 
 logger = logging.getLogger("training.pretrain")
 
@@ -84,14 +82,7 @@ def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainConfig, argv)
     accelerator = make_accelerator(cfg)
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        level=logging.INFO if accelerator.is_main_process else logging.WARNING,
-    )
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # one INFO line per file of every checkpoint
-    if not accelerator.is_main_process:
-        datasets.disable_progress_bars()
-        transformers.utils.logging.set_verbosity_error()
+    setup_script_logging(accelerator)
     set_seed(cfg.seed)
 
     checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)

@@ -1,0 +1,150 @@
+"""training/sft_data.py: completion-only labels at known positions, packing that keeps examples apart,
+the block-size policy for long prompts, and the errors for data a format cannot use."""
+
+import logging
+import pathlib
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training.data import train_char_tokenizer
+from training.finetune_args import FinetuneConfig
+from training.sft_data import (
+    DEFAULT_CHAT_TEMPLATE,
+    IGNORE_INDEX,
+    TrimmedBatches,
+    check_columns,
+    fit_examples,
+    pack_examples,
+    pad_examples,
+    tokenize_example,
+)
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+INPUT_TXT = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    """One token per character of Tiny Shakespeare: token i is character i, so positions are character offsets."""
+    return train_char_tokenizer([INPUT_TXT.read_text(encoding="utf-8")])
+
+
+def config(**overrides) -> FinetuneConfig:
+    return FinetuneConfig(**{"model_name_or_path": "base", "dataset_name": "data", **overrides})
+
+
+def trained_positions(labels: list[int]) -> list[int]:
+    return [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+
+
+def test_prompt_completion_labels_mask_exactly_the_prompt(char_tokenizer, tiny_model):
+    """Every prompt character is -100, every completion character is its own id, and the model's loss with
+    these labels is the cross-entropy of predicting the completion characters only (position t scores t + 1)."""
+    prompt, completion = "ROMEO:\n", "Ay me!"
+    cfg = config(data_format="prompt_completion")
+    example = tokenize_example({"prompt": prompt, "completion": completion}, char_tokenizer, cfg, 0)
+    ids, labels = example["input_ids"], example["labels"]
+    assert ids == char_tokenizer(prompt + completion)["input_ids"]  # no end-of-text: the char tokenizer has none
+    assert trained_positions(labels) == list(range(7, 13))  # "ROMEO:\n" is 7 characters, "Ay me!" 6
+    assert [labels[i] for i in range(7, 13)] == ids[7:]
+
+    model = tiny_model(vocab_size=len(char_tokenizer))
+    input_ids, labels = torch.tensor([ids]), torch.tensor([labels])
+    logits = model(input_ids=input_ids).logits[0]
+    expected = F.cross_entropy(logits[6:12], input_ids[0, 7:13])  # predictions made at positions 6..11
+    assert model(input_ids=input_ids, labels=labels).loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_chat_labels_cover_exactly_the_assistant_turns(char_tokenizer):
+    """With the default template, the targets are each assistant message and the blank line closing it:
+    never the role headers, the user's words or the opening assistant greeting (no question before it)."""
+    char_tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    messages = [
+        {"role": "assistant", "content": "Welcome."},
+        {"role": "user", "content": "Speak as ROMEO"},
+        {"role": "assistant", "content": "Ay me!"},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "Ay."},
+    ]
+    example = tokenize_example({"messages": messages}, char_tokenizer, config(data_format="chat"), 0)
+    text = "ASSISTANT: Welcome.\n\nUSER: Speak as ROMEO\n\nASSISTANT: Ay me!\n\nUSER: Again\n\nASSISTANT: Ay.\n\n"
+    assert char_tokenizer.decode(example["input_ids"]) == text
+    first = len("ASSISTANT: Welcome.\n\nUSER: Speak as ROMEO\n\nASSISTANT: ")
+    second = first + len("Ay me!\n\nUSER: Again\n\nASSISTANT: ")
+    expected = list(range(first, first + len("Ay me!\n\n"))) + list(range(second, second + len("Ay.\n\n")))
+    assert trained_positions(example["labels"]) == expected
+
+
+def test_packed_and_padded_rows_score_each_example_as_it_scores_alone(tiny_model, position_type):
+    """Packing restarts position_ids at each example, so transformers' mask keeps attention inside it (without
+    a KV cache, as in training): the logits of an example inside a packed row equal its logits when run alone,
+    for every position type. A
+    padded row with its attention mask gives the same logits too, and TrimmedBatches drops all-padding columns."""
+    model = tiny_model(position_embedding_type=position_type)
+    examples = [torch.randint(0, 99, (n,)).tolist() for n in (5, 9, 7, 12)]
+    pairs = [(ids, ids) for ids in examples]
+    alone = [model(input_ids=torch.tensor([ids])).logits[0] for ids in examples]
+
+    packed = pack_examples(pairs, block_size=24, pad_id=0)  # rows: 5 + 9 + 7 (+ 3 padding), 12 (+ 12 padding)
+    assert packed["input_ids"].shape == (2, 24)
+    assert packed["position_ids"][0].tolist() == [*range(5), *range(9), *range(7), *range(3)]
+    inputs = {"input_ids": packed["input_ids"].long(), "position_ids": packed["position_ids"].long()}
+    logits = model(**inputs, use_cache=False).logits
+    starts = [(0, 0), (0, 5), (0, 14), (1, 0)]
+    for (row, start), ids, expected in zip(starts, examples, alone):
+        torch.testing.assert_close(logits[row, start : start + len(ids)], expected, atol=1e-5, rtol=1e-5)
+    assert (packed["labels"][0, 21:] == IGNORE_INDEX).all() and (packed["labels"][1, 12:] == IGNORE_INDEX).all()
+
+    padded = pad_examples(pairs, block_size=24, pad_id=0)
+    inputs = {"input_ids": padded["input_ids"].long(), "attention_mask": padded["attention_mask"].long()}
+    logits = model(**inputs, use_cache=False).logits
+    for row, (ids, expected) in enumerate(zip(examples, alone)):
+        torch.testing.assert_close(logits[row, : len(ids)], expected, atol=1e-5, rtol=1e-5)
+    batch = next(TrimmedBatches(padded, batch_size=4, seed=0).iterate())
+    assert batch["input_ids"].shape == (4, 12)  # the longest example, not the block
+
+
+def test_a_prompt_longer_than_the_block_is_truncated_with_a_warning_or_refused(caplog):
+    """A prompt of block_size tokens or more leaves no room for its completion: 'refuse' stops with an
+    error naming how many, the longest and the block size; 'truncate' keeps the prompt's last block_size // 2
+    tokens and warns. Examples merely longer than the block lose their end; examples with nothing to learn go."""
+    ids = list(range(14))
+    rows = {
+        "input_ids": [ids, ids[:6], ids[:4]],
+        "labels": [[IGNORE_INDEX] * 10 + ids[10:], [IGNORE_INDEX] * 2 + ids[2:6], [IGNORE_INDEX] * 4],
+    }  # prompts of 10, 2 and 4 (all prompt) tokens
+    examples = datasets.Dataset.from_dict(rows)
+    with pytest.raises(ValueError, match=r"1 of 3 train examples have a prompt of block_size=8 tokens or more .*"
+                                         r"example 0, has 10\).*--overlong_prompt truncate"):  # fmt: skip
+        fit_examples(examples, config(block_size=8, overlong_prompt="refuse"), "train")
+
+    with caplog.at_level(logging.WARNING, logger="training.sft_data"):
+        fitted = fit_examples(examples, config(block_size=8, overlong_prompt="truncate"), "train")
+    assert fitted == [(ids[6:14], [IGNORE_INDEX] * 4 + ids[10:14]), (ids[:6], rows["labels"][1])]
+    assert "kept the last 4 tokens" in caplog.text and "no target tokens" in caplog.text
+
+
+def test_missing_columns_are_named_with_the_ones_that_exist():
+    """Each format names the columns it needs, the ones missing and the ones the split has."""
+    split = datasets.Dataset.from_dict({"prompt": ["a"], "answer": ["b"]})
+    with pytest.raises(ValueError, match=r"data_format='prompt_completion' needs the column\(s\) \['prompt', "
+                                         r"'completion'\].*no \['completion'\]; its columns are \['prompt', 'answer'\]"):  # fmt: skip
+        check_columns(split, config(data_format="prompt_completion"), "train")
+    with pytest.raises(ValueError, match=r"\['messages'\].*--messages_column_name"):
+        check_columns(split, config(data_format="chat"), "train")
+    check_columns(split, config(data_format="prompt_completion", completion_column_name="answer"), "train")
+
+
+def test_malformed_messages_and_unknown_characters_are_clear_errors(char_tokenizer):
+    """A chat row that is not a list of role/content messages, and text outside a character vocabulary,
+    each name the example instead of failing inside the tokenizer or the template."""
+    char_tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    with pytest.raises(ValueError, match=r"Example 3: column 'messages' must hold a list of"):
+        tokenize_example({"messages": [{"role": "user"}]}, char_tokenizer, config(data_format="chat"), 3)
+    with pytest.raises(ValueError, match=r"Example 5 cannot be tokenized .*character-level tokenizer"):
+        tokenize_example(
+            {"prompt": "<|user|>", "completion": "x"}, char_tokenizer, config(data_format="prompt_completion"), 5
+        )
