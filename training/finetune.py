@@ -107,7 +107,7 @@ def load_base_model(
             f"{config.position_embedding_type} position table. Lower --block_size to at most that."
         )
     return AutoModelForCausalLM.from_pretrained(
-        local_or_hub(name), revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32
+        local_or_hub(name), config=config, revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32
     )
 
 

@@ -209,7 +209,6 @@ class TrainResult:
     state: TrainState
     train_loss: float | None  # mean of the last logging window
     eval_metrics: dict = field(default_factory=dict)  # the final evaluation over every validation block
-    train_time_s: float = 0.0  # this process's loop time without evaluations and checkpoints
 
 
 def train(
@@ -268,7 +267,7 @@ def train(
     # micro-batches, optimizer steps and training time (evaluations and checkpoints excluded).
     window_loss = torch.zeros((), device=accelerator.device)
     window_batches, window_steps, window_time = 0, 0, 0.0
-    train_loss, train_time = None, 0.0
+    train_loss = None
     run_start, elapsed_before = time.perf_counter(), state.elapsed_s
     elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
     segment_start = time.perf_counter()
@@ -315,7 +314,6 @@ def train(
                 }
             )
             bar.set_postfix(loss=f"{train_loss:.4f}", tokens_per_s=f"{tokens_per_s:,}", refresh=False)
-            train_time += window_time
             window_loss.zero_()
             window_batches, window_steps, window_time = 0, 0, 0.0
         if eval_due:
@@ -331,12 +329,11 @@ def train(
             )
         segment_start = time.perf_counter()
     bar.close()
-    train_time += window_time
     state.elapsed_s = elapsed()
 
     final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
     metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed()})
-    return TrainResult(model, state, train_loss, final, train_time)
+    return TrainResult(model, state, train_loss, final)
 
 
 def num_training_steps(cfg: TrainConfig, batches) -> int:

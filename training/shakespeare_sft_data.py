@@ -18,7 +18,8 @@ import argparse
 import json
 import pathlib
 
-import datasets
+from training.args import TrainConfig
+from training.data import load_named_dataset
 
 DATA_FORMATS = ("prompt_completion", "chat")
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset_name", default="../shared/data/tiny_shakespeare", help="Hub id or local folder")
     parser.add_argument("--output_dir", default="out/data/shakespeare_speeches")
     args = parser.parse_args(argv)
-    splits = datasets.load_dataset(args.dataset_name)
+    splits = load_named_dataset(TrainConfig(dataset_name=args.dataset_name))  # its clear error when not found
     texts = {split: "".join(splits[split]["text"]) for split in ("train", "validation")}
     folder = write_speech_data(texts, args.output_dir)
     for split, text in texts.items():
