@@ -104,6 +104,14 @@ def test_evaluate_names_a_missing_split(checkpoint):
         evaluate.main([str(checkpoint), "--dataset_name", dataset, "--split", "test"])
 
 
+def test_evaluate_needs_exactly_one_data_source(checkpoint, tmp_path):
+    """Neither or both of --dataset_name and --data_file is refused before the model is loaded."""
+    with pytest.raises(SystemExit, match="Pass exactly one of --dataset_name"):
+        evaluate.main([str(checkpoint)])
+    with pytest.raises(SystemExit, match="Pass exactly one of --dataset_name"):
+        evaluate.main([str(checkpoint), "--dataset_name", "x/y", "--data_file", str(tmp_path / "a.txt")])
+
+
 @pytest.mark.slow
 def test_lm_evaluation_harness_runs_the_checkpoint_through_trust_remote_code(tmp_path, corpus, checkpoint):
     """`lm_eval run --model hf` in a process where `import decoderlab` fails, so the model is the checkpoint's
