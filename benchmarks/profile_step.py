@@ -1,6 +1,7 @@
-"""Where a training step's time goes: matrix multiplies against everything else, decoderlab and Llama.
+"""Where a training step's time goes: matrix multiplies against everything else, decoderlab and Llama;
+and where a decoding step's time goes: the model's forward against generate()'s own loop.
 
-    python -m benchmarks.profile_step               # nano and tiny, about 1 minute on 2 cores
+    python -m benchmarks.profile_step               # nano and tiny, about 2 minutes on 2 cores
     python -m benchmarks.profile_step --sizes nano --top 25
 
 For each size of ``benchmarks.common`` (the ``llama`` pair: decoderlab's preset and LlamaForCausalLM with
@@ -17,9 +18,11 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
+from transformers import DynamicCache
 
-from benchmarks.common import SIZES, Size, llama_pair, train_step_fn
+from benchmarks.common import SIZES, Size, generate_fn, interleaved_medians, llama_pair, train_step_fn
 
 
 def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
@@ -57,11 +60,74 @@ def profile_steps(model: torch.nn.Module, size: Size, steps: int) -> dict:
     }
 
 
+def forward_loop_fn(model: torch.nn.Module, prompt_length: int, new_tokens: int, vocab_size: int):
+    """Greedy decoding without generate(): prefill, then one cached forward and an argmax per new token."""
+    prompt = torch.randint(1, vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(0))
+
+    def run() -> None:
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+            for position in range(prompt_length, prompt_length + new_tokens - 1):
+                token = logits[:, -1:].argmax(-1)
+                logits = model(
+                    input_ids=token,
+                    position_ids=torch.tensor([[position]]),
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits
+
+    return run
+
+
+def linear_layers_ms(model: torch.nn.Module, repeats: int = 100) -> tuple[float, float]:
+    """Every nn.Linear of the model applied once to one token (batch 1), as plain F.linear calls: the matrix
+    work and weight reads a decoding step cannot avoid. Returns (ms per token, MB of weights read)."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(1, 1, m.in_features) for m in layers]
+
+    def run() -> None:
+        for layer, x in zip(layers, inputs):
+            F.linear(x, layer.weight, layer.bias)
+
+    with torch.no_grad():
+        for _ in range(10):
+            run()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        seconds = (time.perf_counter() - start) / repeats
+    megabytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) / 1e6
+    return seconds * 1e3, megabytes
+
+
+def ops_per_decoding_step(model: torch.nn.Module, vocab_size: int) -> int:
+    """PyTorch operators one cached forward of one token calls (top-level aten ops, as the profiler sees them)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, vocab_size, (1, 16)), cache=cache, use_cache=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(input_ids=torch.tensor([[1]]), position_ids=torch.tensor([[16]]), cache=cache, use_cache=True)
+    return sum(1 for event in prof.events() if event.cpu_parent is None and event.name.startswith("aten::"))
+
+
+def decode_breakdown(pair, size: Size, new_tokens: int, repeats: int) -> dict:
+    """Per new token, ms: through generate and through the bare loop, for decoderlab and the reference."""
+    workloads = {}
+    for label, model in (("decoderlab", pair.ours), (pair.reference_label, pair.reference)):
+        workloads[f"{label} generate"] = generate_fn(model, 1, 16, new_tokens, size.vocab_size)
+        workloads[f"{label} forward loop"] = forward_loop_fn(model, 16, new_tokens, size.vocab_size)
+    times = interleaved_medians(workloads, repeats=repeats)
+    return {name: t["median_s"] / new_tokens * 1e3 for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=10, help="profiled steps per model")
     parser.add_argument("--top", type=int, default=12, help="decoderlab ops to list")
+    parser.add_argument("--decode_repeats", type=int, default=7, help="interleaved rounds of the decoding timing")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -83,6 +149,23 @@ def main() -> None:
         print("  decoderlab's top ops (self time per step, calls per step):")
         for key, seconds, calls in results["decoderlab"]["top"][: args.top]:
             print(f"    {key[:60]:60s} {seconds * 1e3:7.2f} ms {calls:5d}")
+        new_tokens = 200 if name == "nano" else 50
+        ms = decode_breakdown(pair, size, new_tokens, args.decode_repeats)
+        print(f"  greedy decoding, batch 1, {new_tokens} new tokens, ms per token (median of {args.decode_repeats}):")
+        for label in ("decoderlab", pair.reference_label):
+            total, forward = ms[f"{label} generate"], ms[f"{label} forward loop"]
+            model = pair.ours if label == "decoderlab" else pair.reference
+            print(
+                f"    {label:18s} generate {total:6.3f}, bare forward loop {forward:6.3f}: generate's own work "
+                f"{total - forward:6.3f} ({(total - forward) / total:.0%} of its time); "
+                f"{ops_per_decoding_step(model, size.vocab_size)} PyTorch ops per forward"
+            )
+        floor_ms, megabytes = linear_layers_ms(pair.ours)
+        print(
+            f"    the linear layers alone (one F.linear per weight, {megabytes:.1f} MB of fp32 weights): "
+            f"{floor_ms:.3f} ms per token ({megabytes / floor_ms:.1f} GB/s); decoderlab's forward spends "
+            f"{ms['decoderlab forward loop'] - floor_ms:.3f} ms per token on everything else"
+        )
 
 
 if __name__ == "__main__":

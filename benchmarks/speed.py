@@ -1,6 +1,6 @@
 """Speed of decoderlab against transformers' Llama and GPT-2 and against nanoGPT, side by side.
 
-    python -m benchmarks.speed            # everything, about 11 minutes on 2 cores; JSON to benchmarks/results/
+    python -m benchmarks.speed            # everything, about 5 minutes on 2 cores; JSON to benchmarks/results/
     python -m benchmarks.speed --quick    # nano only, fewer repeats and tokens, about 5 minutes
 
 Each comparison builds decoderlab and the reference for the same configuration with the same weights
@@ -12,8 +12,9 @@ every ratio is decoderlab / reference from the same run. fp32 on CPU, ``--thread
 - memory: peak resident memory a training run adds, each model alone in a fresh process; MB.
 - decode: greedy ``generate`` with the default (dynamic) KV cache at batch 1 and 8; new tokens/s.
 - prefill: one forward over a 512-token prompt filling a fresh cache; ms.
-- compile: ``generate(cache_implementation="static")`` with ``model.forward = torch.compile(...)``, against
-  the reference compiled the same way and against the reference's plain ``generate``; new tokens/s.
+- compile: ``generate(cache_implementation="static")`` with ``model.forward = torch.compile(...)`` (inductor's
+  defaults, and its C++ wrapper), against the reference compiled the same way and against the reference's
+  plain ``generate``; new tokens/s.
 
 References: ``LlamaForCausalLM`` (decoderlab's ``llama`` preset), ``GPT2LMHeadModel`` (``gpt2`` preset),
 both with SDPA attention, and nanoGPT (benchmarks/reference_nanogpt.py) for training at nano, against
@@ -198,49 +199,58 @@ def bench_prefill(size_name: str, repeats: int, prompt_length: int = 512) -> lis
     return rows
 
 
+# torch.compile settings timed: inductor's defaults, and its C++ wrapper, which calls the compiled kernels
+# from generated C++ instead of Python (less overhead per step, which is what batch-1 decoding is made of)
+COMPILE_OPTIONS = {"inductor": {}, "inductor cpp_wrapper": {"cpp_wrapper": True}}
+
+
 def bench_compile(size_name: str, repeats: int, quick: bool) -> list[dict]:
-    """Static cache + compiled forward, batch 1. The compiled models are also timed against the
-    reference's plain generate (dynamic cache, eager), the figure a user switching gets."""
+    """Static cache + compiled forward, batch 1, for each of COMPILE_OPTIONS. The compiled models are also
+    timed against the reference's plain generate (dynamic cache, eager), the figure a user switching gets."""
     size = SIZES[size_name]
     prompt, new = decode_lengths(size_name, quick)
     pair = llama_pair(size)
-    plain = generate_fn(copy.deepcopy(pair.reference), 1, prompt, new, size.vocab_size)  # stays uncompiled
-    compiled = {}
-    for name, model in (("ours", pair.ours), ("reference", pair.reference)):
-        model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
-        compiled[name] = generate_fn(model, 1, prompt, new, size.vocab_size, cache_implementation="static")
-        start = time.perf_counter()
-        compiled[name]()  # compiles the prefill and decode graphs
-        compiled[name]()
-        compiled[f"{name}_compile_s"] = time.perf_counter() - start
+    # Dynamo keeps compiled graphs per code object, and every forward wrapped by transformers' deprecate_kwarg
+    # shares one: four models, each with a prefill and a decoding graph, pass its default limit of 8.
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(COMPILE_OPTIONS) * 2)
+    workloads = {"plain": generate_fn(copy.deepcopy(pair.reference), 1, prompt, new, size.vocab_size)}  # uncompiled
+    compile_s = {}
+    for setting, options in COMPILE_OPTIONS.items():
+        for name, model in (("ours", pair.ours), ("reference", pair.reference)):
+            model = copy.deepcopy(model)
+            model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+            run = generate_fn(model, 1, prompt, new, size.vocab_size, cache_implementation="static")
+            start = time.perf_counter()
+            run()  # compiles the prefill and decode graphs
+            run()
+            compile_s[f"{name}, {setting}"] = time.perf_counter() - start
+            workloads[f"{name}, {setting}"] = run
     load = load_average()
-    times = interleaved_medians(
-        {"ours": compiled["ours"], "reference": compiled["reference"], "plain": plain}, repeats=repeats
-    )
+    times = interleaved_medians(workloads, repeats=repeats)
     rate = {name: new / t["median_s"] for name, t in times.items()}
-    compile_s = {name: compiled[f"{name}_compile_s"] for name in ("ours", "reference")}
     common = dict(load=[load, load_average()], prompt_tokens=prompt, new_tokens=new, compile_s=compile_s)
-    return [
-        result(
-            "decode tokens/s, static cache + compile",
-            size_name,
-            pair,
-            "tokens/s",
-            rate["ours"],
-            rate["reference"],
-            samples_s=times,
-            **common,
-        ),  # fmt: skip
-        result(
-            "decode tokens/s, static cache + compile vs plain generate",
-            size_name,
-            Pair("llama-plain", None, None, "LlamaForCausalLM, dynamic cache, eager"),
-            "tokens/s",
-            rate["ours"],
-            rate["plain"],
-            **common,
-        ),
-    ]
+    plain = Pair("llama-plain", None, None, "LlamaForCausalLM, dynamic cache, eager")
+    rows = []
+    for setting in COMPILE_OPTIONS:
+        ours = rate[f"ours, {setting}"]
+        rows.append(
+            result(
+                f"decode tokens/s, static cache + compile ({setting})",
+                size_name,
+                pair,
+                "tokens/s",
+                ours,
+                rate[f"reference, {setting}"],
+                samples_s={"ours": times[f"ours, {setting}"], "reference": times[f"reference, {setting}"]},
+                **common,
+            )
+        )
+        rows.append(
+            result(f"decode tokens/s, static + compile ({setting}) vs plain", size_name, plain, "tokens/s", ours,
+                   rate["plain"], **common)
+        )  # fmt: skip
+    return rows
 
 
 def environment(threads: int) -> dict:
@@ -270,13 +280,13 @@ def _cpu_name() -> str:
 
 def format_table(rows: list[dict], header: bool = True) -> str:
     title = (
-        f"{'benchmark':58s} {'size':5s} {'reference [pair]':52s} {'decoderlab':>11s} {'reference':>11s} {'ratio':>6s}"
+        f"{'benchmark':64s} {'size':5s} {'reference [pair]':52s} {'decoderlab':>11s} {'reference':>11s} {'ratio':>6s}"
         "  load"
     )
     lines = [title, "-" * len(title)] if header else []
     for row in rows:
         lines.append(
-            f"{row['benchmark']:58s} {row['size']:5s} {row['reference'] + ' [' + row['pair'] + ']':52.52s} "
+            f"{row['benchmark']:64s} {row['size']:5s} {row['reference'] + ' [' + row['pair'] + ']':52.52s} "
             f"{row['decoderlab']:11.1f} {row['reference_value']:11.1f} {row['ratio']:6.2f}  "
             f"{row['load'][0]:.1f}-{row['load'][1]:.1f}"
         )

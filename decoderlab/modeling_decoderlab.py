@@ -105,7 +105,8 @@ def make_norm(config: DecoderLabConfig, dim: int) -> nn.Module:
 
 
 class DecoderLabRotaryEmbedding(nn.Module):
-    """RoPE (Su et al. 2021). Returns cos/sin tables for the rotary part of each head.
+    """RoPE (Su et al. 2021). Returns cos/sin tables for the rotary part of each head, sin with its first
+    half negated (the sign of rotate_half, folded in once for every layer: see ``rotate``).
 
     Named ``*RotaryEmbedding`` with ``inv_freq`` and ``original_inv_freq`` buffers so that
     transformers rebuilds them after loading on the meta device, and so that the scaling types of
@@ -140,33 +141,36 @@ class DecoderLabRotaryEmbedding(nn.Module):
         # No torch.no_grad() context (nothing here requires grad) and no multiply by a scaling of 1.0:
         # 26 -> 16 us per forward pass
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, d/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, d): HF's half-split layout
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        # HF's half-split layout, with the sign of rotate_half folded into sin (see apply_rotary_pos_emb)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # (B, T, d)
         if self.attention_scaling != 1.0:  # YaRN, LongRoPE
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_i, x_{i+d/2}) of the last dimension by the angle whose cosine and sine the tables
+    hold: Llama's x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1). With the sign folded into
+    signed_sin = (-sin, sin), rotate_half(x) * sin = roll(x, d/2) * signed_sin, bit for bit (negation is
+    exact): one roll instead of chunk, neg and cat. Per layer at nano, q and k together: 25 -> 17 us for one
+    token; forward + backward 314 -> 246 us for a training batch."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q, k: (B, nh, T, hs) by cos, sin: (B, T, d). With d < hs (partial rotary, GPT-NeoX)
-    only the first d dimensions of each head rotate; the rest pass through."""
+    """Rotate q, k: (B, nh, T, hs) by the tables of DecoderLabRotaryEmbedding, cos and sin: (B, T, d), the
+    first half of sin negated. With d < hs (partial rotary, GPT-NeoX) only the first d dimensions of each
+    head rotate; the rest pass through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d): broadcast over heads
     d = cos.shape[-1]
     if d == q.shape[-1]:
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return rotate(q, cos, sin), rotate(k, cos, sin)
     q_rot, q_pass = q[..., :d], q[..., d:]
     k_rot, k_pass = k[..., :d], k[..., d:]
-    q_rot = q_rot * cos + rotate_half(q_rot) * sin
-    k_rot = k_rot * cos + rotate_half(k_rot) * sin
-    return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
+    return torch.cat((rotate(q_rot, cos, sin), q_pass), dim=-1), torch.cat((rotate(k_rot, cos, sin), k_pass), dim=-1)
 
 
 class DecoderLabAbsolutePositionalEmbedding(nn.Module):
@@ -589,12 +593,16 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, C)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        # Only positions given by the caller can mark several sequences packed into one row; those made here
+        # are consecutive, so create_causal_mask is spared its search for packing (a diff, a cumsum and a
+        # device sync): 46 -> 9 us per call with a nano training batch
+        given_position_ids = position_ids
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)[None] + past_seen
 
         # None when SDPA's own causal path suffices (no padding): no mask is materialised then
-        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, given_position_ids)
 
         hidden_states = inputs_embeds
         if self.embed_positions is not None:  # learned / sinusoidal: added once, at the bottom
@@ -712,7 +720,13 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        """``labels`` are the input ids (or -100 to ignore); the loss shifts them by one itself."""
+        """``labels`` are the input ids (or -100 to ignore); the loss shifts them by one itself. In training
+        mode with gradients on, no KV cache is built unless ``use_cache=True`` is passed."""
+        if use_cache is None and self.training and torch.is_grad_enabled():
+            # A training step has no use for a cache: building one copies every layer's keys and values and
+            # keeps them alive with the output. Forward + backward: 43.3 -> 42.0 ms at nano, 1.79 -> 1.77 s
+            # at tiny, where the cache would hold 57 MB
+            use_cache = False
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -734,6 +748,56 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        **kwargs,
+    ) -> dict:
+        """GenerationMixin's, with a short path for the common decoding step: after the prompt, token ids on
+        the model's device, a cache, only the arguments below, and no padding where a static cache would want
+        the mask expanded to 4D. That step's inputs are the new ids and positions (and, with a dynamic cache,
+        the 2D mask); with a static cache the causal mask is made inside ``forward`` (inside the compiled
+        graph when ``forward`` is compiled) instead of here.
+        Measured per call (nano, batch 1): 35 -> 10 us with a dynamic cache, 113 -> 10 us with a static one.
+        Every other case (prompt, inputs_embeds, padding with a static cache, other arguments) goes to
+        GenerationMixin's version."""
+        short_path = (
+            not is_first_iteration
+            and next_sequence_length is not None
+            and cache is not None
+            and inputs_embeds is None
+            and (attention_mask is None or not cache.is_compileable or bool(attention_mask.all()))
+            and kwargs.keys() <= {"position_ids", "logits_to_keep", "use_cache"}
+            and input_ids.device == self.lm_head.weight.device
+        )
+        if not short_path:
+            return super().prepare_inputs_for_generation(
+                input_ids,
+                next_sequence_length=next_sequence_length,
+                cache=cache,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                is_first_iteration=is_first_iteration,
+                **kwargs,
+            )
+        # clone: the same contiguous strides at every step, as GenerationMixin gives (a compiled forward relies on it)
+        contiguous = torch.contiguous_format
+        model_inputs = {
+            "input_ids": input_ids[:, -next_sequence_length:].clone(memory_format=contiguous),
+            "cache": cache,
+        }
+        model_inputs.update(kwargs)
+        if (position_ids := kwargs.get("position_ids")) is not None:
+            model_inputs["position_ids"] = position_ids[..., -next_sequence_length:].clone(memory_format=contiguous)
+        if attention_mask is not None and not cache.is_compileable:
+            model_inputs["attention_mask"] = attention_mask
+        return model_inputs
 
 
 class DecoderLabForSequenceClassification(GenericForSequenceClassification, DecoderLabPreTrainedModel):

@@ -2,10 +2,12 @@
 and transformers' decoding strategies run on the model reproducibly."""
 
 import copy
+from unittest.mock import patch
 
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
 
 
 def test_incremental_decoding_equals_full_recomputation(tiny_model, position_type, block_variant):
@@ -90,6 +92,45 @@ def test_static_cache_generates_the_same_tokens(tiny_model, position_embedding_t
     dynamic = model.generate(prompt, **GREEDY)
     static = model.generate(prompt, cache_implementation="static", **GREEDY)
     assert torch.equal(static, dynamic)
+    # left padding with a static cache takes GenerationMixin's input preparation (a 4D mask at every step)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    dynamic = model.generate(prompt, attention_mask=mask, **GREEDY)
+    static = model.generate(prompt, attention_mask=mask, cache_implementation="static", **GREEDY)
+    assert torch.equal(static, dynamic)
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+@pytest.mark.parametrize("mask", ["none", "all ones", "left padding"])
+def test_short_decoding_step_preparation_gives_generation_mixins_logits(tiny_model, cache_implementation, mask):
+    """DecoderLabForCausalLM.prepare_inputs_for_generation takes a short path for plain decoding steps: the
+    step's logits equal those from GenerationMixin's preparation of the same step (which builds a 4D mask for
+    a static cache), and the short path really runs where it should (with a static cache, no mask is passed
+    unless there is padding)."""
+    model = tiny_model(pad_token_id=0)
+    prompt = torch.randint(1, 99, (2, 7))
+    attention_mask = None if mask == "none" else torch.ones_like(prompt)
+    if mask == "left padding":
+        attention_mask[0, :3] = 0
+    seen = []
+    original = type(model).prepare_inputs_for_generation
+
+    def spy(self, *args, **kwargs):
+        seen.append((args, {**kwargs, "cache": copy.deepcopy(kwargs["cache"])}))  # the cache before this step
+        return original(self, *args, **kwargs)
+
+    with patch.object(type(model), "prepare_inputs_for_generation", spy):
+        model.generate(prompt, attention_mask=attention_mask, cache_implementation=cache_implementation, **GREEDY)
+    (input_ids,), step = seen[-1]  # the last decoding step
+    assert step["next_sequence_length"] == 1 and not step.get("is_first_iteration")
+    logits = {}
+    for name, prepare in (("ours", original), ("GenerationMixin", GenerationMixin.prepare_inputs_for_generation)):
+        inputs = prepare(model, input_ids, **{**step, "cache": copy.deepcopy(step["cache"])})
+        if name == "ours" and cache_implementation == "static":
+            assert ("attention_mask" in inputs) == (mask == "left padding")
+        with torch.no_grad():
+            logits[name] = model(**inputs).logits
+    torch.testing.assert_close(logits["ours"], logits["GenerationMixin"], rtol=0, atol=1e-6)
 
 
 def test_top_k_one_sampling_is_greedy(tiny_model):

@@ -13,8 +13,9 @@ from transformers import GPTNeoXConfig, LlamaConfig
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_apply_rotary_pos_emb
 
-from decoderlab.modeling_decoderlab import DecoderLabAttention, DecoderLabRotaryEmbedding
+from decoderlab.modeling_decoderlab import DecoderLabAttention, DecoderLabRotaryEmbedding, apply_rotary_pos_emb
 
 
 def causal_mask(T: int) -> torch.Tensor:
@@ -198,8 +199,10 @@ LLAMA_ROPE_TYPES = {
 
 @pytest.mark.parametrize("rope_type", list(LLAMA_ROPE_TYPES))
 def test_rope_tables_match_llama(tiny_config, rope_type):
-    """cos/sin equal transformers' LlamaRotaryEmbedding for the same settings, for each scaling type,
-    including positions past max_position_embeddings (where dynamic NTK scaling kicks in)."""
+    """cos/sin equal transformers' LlamaRotaryEmbedding for the same settings (sin with the sign of
+    rotate_half folded into its first half), for each scaling type, including positions past
+    max_position_embeddings (where dynamic NTK scaling kicks in); q and k rotated with them equal Llama's
+    apply_rotary_pos_emb."""
     rope = {**LLAMA_ROPE_TYPES[rope_type], "rope_theta": 5e5}
     ours = DecoderLabRotaryEmbedding(tiny_config(rope_parameters=dict(rope)))
     llama_config = LlamaConfig(
@@ -208,7 +211,15 @@ def test_rope_tables_match_llama(tiny_config, rope_type):
     theirs = LlamaRotaryEmbedding(llama_config)
     x = torch.randn(1, 100, 64)
     for positions in (torch.arange(50)[None], torch.arange(100)[None]):
-        for mine, reference in zip(ours(x, positions), theirs(x, positions)):
+        (cos, signed_sin), (llama_cos, llama_sin) = ours(x, positions), theirs(x, positions)
+        half = llama_sin.shape[-1] // 2
+        torch.testing.assert_close(cos, llama_cos, rtol=0, atol=1e-6)
+        torch.testing.assert_close(signed_sin[..., :half], -llama_sin[..., :half], rtol=0, atol=1e-6)
+        torch.testing.assert_close(signed_sin[..., half:], llama_sin[..., half:], rtol=0, atol=1e-6)
+        q, k = torch.randn(2, 1, 4, positions.shape[1], 16).unbind(0)
+        for mine, reference in zip(
+            apply_rotary_pos_emb(q, k, cos, signed_sin), llama_apply_rotary_pos_emb(q, k, llama_cos, llama_sin)
+        ):
             torch.testing.assert_close(mine, reference, rtol=0, atol=1e-6)
 
 

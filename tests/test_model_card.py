@@ -16,8 +16,12 @@ from decoderlab import model_card
 from decoderlab.model_card import HUB_ID_PLACEHOLDER, plot_training_curve, read_metrics, write_model_card
 
 SIZES = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
-EVAL = {"eval_loss": 1.625, "perplexity": math.exp(1.625), "dataset": "karpathy/tiny_shakespeare",
-        "split": "validation"}
+EVAL = {
+    "eval_loss": 1.625,
+    "perplexity": math.exp(1.625),
+    "dataset": "karpathy/tiny_shakespeare",
+    "split": "validation",
+}
 
 
 def metrics_records() -> list[dict]:

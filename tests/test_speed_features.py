@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -186,6 +187,26 @@ def test_dropout_modules_only_when_dropout_is_set(tiny_model):
         assert torch.equal(dropping(x).logits, dropping(x).logits)
         dropping.train()
         assert not torch.equal(dropping(x).logits, dropping(x).logits)
+
+
+def test_training_forward_builds_no_cache_unless_asked(tiny_model):
+    """In training mode with gradients on, the forward builds no KV cache (nothing would read it) unless
+    use_cache=True is passed; without gradients or in eval mode it builds one as before. Without a cache,
+    transformers' mask honours packed position_ids, so examples packed into one row of a training batch
+    attend only within themselves even when the training code does not pass use_cache=False."""
+    model = tiny_model().train()
+    x = torch.randint(0, 99, (2, 10))
+    assert model(x, labels=x).cache is None
+    assert isinstance(model(x, labels=x, use_cache=True).cache, DynamicCache)
+    with torch.no_grad():
+        assert isinstance(model(x).cache, DynamicCache)
+    assert isinstance(model.eval()(x).cache, DynamicCache)
+
+    model.train()
+    first, second = torch.randint(0, 99, (1, 5)), torch.randint(0, 99, (1, 7))
+    packed = model(torch.cat((first, second), dim=1), position_ids=torch.tensor([[*range(5), *range(7)]])).logits
+    torch.testing.assert_close(packed[:, :5], model(first).logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[:, 5:], model(second).logits, rtol=0, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
