@@ -142,7 +142,7 @@ class DecoderLabRotaryEmbedding(nn.Module):
         # 26 -> 16 us per forward pass
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, d/2)
         cos, sin = freqs.cos(), freqs.sin()
-        # HF's half-split layout, with the sign of rotate_half folded into sin (see apply_rotary_pos_emb)
+        # HF's half-split layout, with the sign of rotate_half folded into sin (see rotate)
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # (B, T, d)
         if self.attention_scaling != 1.0:  # YaRN, LongRoPE
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
