@@ -4,6 +4,8 @@ Llama-shaped: pre-norm RMSNorm, RoPE (rope_theta != 10000 so a wrong base shows)
 grouped-query attention. The weights are a random LlamaForCausalLM's, re-drawn so the logits are O(1).
 """
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -21,11 +23,12 @@ SIZES = dict(
 )
 
 
-def llama_pair(randomize, tie_word_embeddings: bool) -> tuple[LlamaForCausalLM, DecoderLabForCausalLM]:
+def llama_pair(randomize, tie_word_embeddings: bool, **sizes) -> tuple[LlamaForCausalLM, DecoderLabForCausalLM]:
+    sizes = {**SIZES, **sizes}
     rope = {"rope_type": "default", "rope_theta": 5e5}
     llama = LlamaForCausalLM(
         LlamaConfig(
-            **SIZES,
+            **sizes,
             rms_norm_eps=1e-6,
             rope_parameters=dict(rope),
             tie_word_embeddings=tie_word_embeddings,
@@ -35,10 +38,10 @@ def llama_pair(randomize, tie_word_embeddings: bool) -> tuple[LlamaForCausalLM, 
     )
     randomize(llama).eval()
     if tie_word_embeddings:  # as lm_head, unit-variance embeddings would make every token predict itself
-        llama.model.embed_tokens.weight.data.mul_(SIZES["hidden_size"] ** -0.5)
+        llama.model.embed_tokens.weight.data.mul_(sizes["hidden_size"] ** -0.5)
     ours = DecoderLabForCausalLM(
         DecoderLabConfig(
-            **SIZES,
+            **sizes,
             norm_eps=1e-6,
             rope_parameters=dict(rope),
             tie_word_embeddings=tie_word_embeddings,
@@ -83,6 +86,26 @@ def test_llama_shaped_config_generates_llamas_tokens(randomize, tie_word_embeddi
     expected = llama.generate(prompt, **settings)
     assert torch.equal(ours.generate(prompt, **settings), expected)
     assert len(set(expected[:, 8:].flatten().tolist())) > 3  # not a degenerate repeat of one token
+
+
+def test_one_row_decoding_kernel_keeps_llamas_tokens(randomize):
+    """With layers wide enough for DecoderLabLinear's one-row kernel (decoding one sequence on a CPU), the
+    decoding steps' logits stay within float32 rounding of Llama's and greedy generation gives Llama's
+    tokens; the kernel really runs (and not for the prompt, which has many rows)."""
+    wide = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, vocab_size=512)
+    llama, ours = llama_pair(randomize, tie_word_embeddings=False, **wide)
+    assert ours.model.layers[0].self_attn.q_proj.reduce_one_row and ours.lm_head.reduce_one_row
+    prompt = torch.randint(0, 512, (1, 8))
+    settings = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = llama.generate(prompt, **settings)
+    with patch("torch.linalg.vecdot", wraps=torch.linalg.vecdot) as vecdot:
+        generated = ours.generate(prompt, **settings)
+    assert vecdot.call_count > 0
+    assert torch.equal(generated, expected)
+    with torch.no_grad():  # the last step alone: one row through every layer, against Llama's
+        mine = ours(expected[:, -1:], position_ids=torch.tensor([[27]])).logits
+        theirs = llama(expected[:, -1:], position_ids=torch.tensor([[27]])).logits
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
 
 
 def test_llama_training_step_matches(randomize):

@@ -9,10 +9,13 @@
   the benchmark's GPT-2 pair equals GPT2LMHeadModel; the nanoGPT recipe runs and reports its losses.
 """
 
+import copy
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -189,6 +192,33 @@ def test_dropout_modules_only_when_dropout_is_set(tiny_model):
         assert not torch.equal(dropping(x).logits, dropping(x).logits)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_one_row_kernel_equals_f_linear_and_runs_only_where_it_should(bias):
+    """DecoderLabLinear computes one row of float32 on a CPU, without autograd, as a reduction when its
+    weight is large: the output equals F.linear's to float32 rounding, in every input shape that holds one
+    row. Several rows, autograd, bfloat16 and small weights take F.linear (identical outputs)."""
+    torch.manual_seed(0)
+    large, small = modeling.DecoderLabLinear(384, 1024, bias=bias), modeling.DecoderLabLinear(128, 128, bias=bias)
+    assert large.reduce_one_row and not small.reduce_one_row
+    with torch.no_grad(), patch("torch.linalg.vecdot", wraps=torch.linalg.vecdot) as vecdot:
+        for shape in ((384,), (1, 384), (1, 1, 384)):
+            x = torch.randn(shape)
+            y = large(x)
+            assert y.shape == (*shape[:-1], 1024)
+            torch.testing.assert_close(y, F.linear(x, large.weight, large.bias), rtol=0, atol=1e-5)
+        assert vecdot.call_count == 3
+        x = torch.randn(2, 1, 384)
+        assert torch.equal(large(x), F.linear(x, large.weight, large.bias))
+        assert torch.equal(small(x[:1, :, :128]), F.linear(x[:1, :, :128], small.weight, small.bias))
+        bf16 = copy.deepcopy(large).to(torch.bfloat16)
+        assert torch.equal(bf16(x[:1].bfloat16()), F.linear(x[:1].bfloat16(), bf16.weight, bf16.bias))
+        assert vecdot.call_count == 3
+    x = torch.randn(1, 1, 384, requires_grad=True)
+    with patch("torch.linalg.vecdot", wraps=torch.linalg.vecdot) as vecdot:
+        large(x).sum().backward()
+    assert vecdot.call_count == 0 and x.grad is not None and large.weight.grad is not None
+
+
 def test_training_forward_builds_no_cache_unless_asked(tiny_model):
     """In training mode with gradients on, the forward builds no KV cache (nothing would read it) unless
     use_cache=True is passed; without gradients or in eval mode it builds one as before. Without a cache,
@@ -295,3 +325,23 @@ def test_peft_lora_still_targets_q_and_v_projections(tiny_model):
     lora(x, labels=x).loss.backward()
     with_grad = {name for name, param in lora.named_parameters() if param.grad is not None}
     assert with_grad and all("lora_" in name for name in with_grad)
+
+
+def test_peft_lora_wraps_the_one_row_kernel():
+    """On a projection wide enough for DecoderLabLinear's one-row kernel, LoRA's output for one row (a
+    decoding step) is the base layer's plus the adapter's, as for several rows: the adapter is not skipped."""
+    import peft
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential()
+    layer.add_module("q_proj", modeling.DecoderLabLinear(384, 384, bias=False))
+    lora = peft.get_peft_model(layer, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1)
+        x = torch.randn(1, 1, 384)
+        one_row, two_rows = lora(x), lora(torch.cat((x, x)))[:1]
+        base = F.linear(x, layer.q_proj.base_layer.weight)
+    torch.testing.assert_close(one_row, two_rows, rtol=0, atol=1e-5)
+    assert (one_row - base).abs().max() > 1e-3
