@@ -43,38 +43,43 @@ logger = logging.get_logger(__name__)
 
 class DecoderLabLinear(nn.Linear):
     """nn.Linear (same parameters and state dict; a subclass, so PEFT and quantizers treat it as one), with
-    another kernel for a single input row of float32 on a CPU: the decoding step of one sequence.
+    faster kernels for a single input row of float32 on a CPU: the decoding step of one sequence.
 
     For one row, F.linear is a matrix-vector product, which torch's CPU BLAS (MKL) computes on one thread
-    whatever torch.get_num_threads() says (measured here: the same time with 1 and 2 threads). The same
-    sums as a reduction, one dot product w_i . x per row of the weight (torch.linalg.vecdot), run on every
-    thread. Measured on 2 threads (python -m benchmarks.profile_step): tiny's 43 linear layers for one
-    token (55 MB of weights, each read once) 5.8 -> 3.5 ms; greedy decoding at tiny, batch 1, then runs
-    1.46x LlamaForCausalLM (python -m benchmarks.speed; about 1.0x without this kernel).
-    Eagerly, small weights stay in cache, where the BLAS call is cheaper (nano's 128 x 128: 3.7 vs 4.9 us),
-    so the reduction starts at ``ONE_ROW_REDUCTION_MIN_WEIGHTS`` weights. Inside torch.compile every layer
-    takes it: inductor fuses it into its own parallel kernel, which beats the BLAS call at any size
-    (static cache, decoding step: nano 0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms). Training, several rows,
-    other dtypes and other devices use F.linear. The sums run in another order, so outputs agree with
-    F.linear's to float32 rounding (about 1e-6 at tiny's logits), not bit for bit.
+    whatever torch.get_num_threads() says (measured here: the same time with 1 and 2 threads). MKL does
+    spread W @ X^T over the threads once X has two rows, so an eager call computes W @ [x, x]^T and keeps
+    one column: the duplicate row costs a re-read of x, from cache, not of W. Measured on 2 threads
+    (python -m benchmarks.profile_step): tiny's 43 linear layers for one token (55 MB of weights, each
+    read once) 5.7 -> 2.5 ms; greedy decoding at tiny, batch 1, then runs 1.69x LlamaForCausalLM
+    (python -m benchmarks.speed; about 1.0x with F.linear). Small weights stay in cache, where the plain
+    BLAS call is cheaper, so eagerly the kernel starts at ``ONE_ROW_KERNEL_MIN_WEIGHTS`` weights. Inside
+    torch.compile every layer computes the row as a reduction, one dot product w_i . x per row of the
+    weight, which inductor fuses into a parallel kernel of its own (static cache, decoding step: nano
+    0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms). Training, several rows, other dtypes and other devices use
+    F.linear. The sums run in another order, so outputs agree with F.linear's to float32 rounding (about
+    1e-6 at tiny's logits), not bit for bit.
     """
 
-    ONE_ROW_REDUCTION_MIN_WEIGHTS = 2**17  # 512 KB of float32: larger than nano's layers, smaller than tiny's
+    ONE_ROW_KERNEL_MIN_WEIGHTS = 2**17  # 512 KB of float32: larger than nano's layers, smaller than tiny's
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device, dtype)
         # Decided once, as a plain attribute: a cheap test at every call
-        self.reduce_one_row = in_features * out_features >= self.ONE_ROW_REDUCTION_MIN_WEIGHTS
+        self.one_row_kernel = in_features * out_features >= self.ONE_ROW_KERNEL_MIN_WEIGHTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.numel() == self.in_features  # one row
-            and (self.reduce_one_row or is_torchdynamo_compiling())
+            and (self.one_row_kernel or is_torchdynamo_compiling())
             and x.device.type == "cpu"
             and x.dtype == self.weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         ):
-            y = torch.linalg.vecdot(self.weight, x.reshape(-1))  # (out_features,)
+            if is_torchdynamo_compiling():
+                y = torch.linalg.vecdot(self.weight, x.reshape(-1))  # (out_features,): w_i . x for each row w_i
+            else:
+                pair = x.reshape(1, -1).expand(2, -1).contiguous()  # (2, in_features): x twice
+                y = torch.mm(self.weight, pair.t())[:, 0]  # (out_features,)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)

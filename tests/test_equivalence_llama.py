@@ -94,13 +94,13 @@ def test_one_row_decoding_kernel_keeps_llamas_tokens(randomize):
     tokens; the kernel really runs (and not for the prompt, which has many rows)."""
     wide = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, vocab_size=512)
     llama, ours = llama_pair(randomize, tie_word_embeddings=False, **wide)
-    assert ours.model.layers[0].self_attn.q_proj.reduce_one_row and ours.lm_head.reduce_one_row
+    assert ours.model.layers[0].self_attn.q_proj.one_row_kernel and ours.lm_head.one_row_kernel
     prompt = torch.randint(0, 512, (1, 8))
     settings = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
     expected = llama.generate(prompt, **settings)
-    with patch("torch.linalg.vecdot", wraps=torch.linalg.vecdot) as vecdot:
+    with patch("torch.mm", wraps=torch.mm) as one_row_kernel:  # F.linear does not go through torch.mm
         generated = ours.generate(prompt, **settings)
-    assert vecdot.call_count > 0
+    assert one_row_kernel.call_count > 0
     assert torch.equal(generated, expected)
     with torch.no_grad():  # the last step alone: one row through every layer, against Llama's
         mine = ours(expected[:, -1:], position_ids=torch.tensor([[27]])).logits

@@ -194,29 +194,41 @@ def test_dropout_modules_only_when_dropout_is_set(tiny_model):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_one_row_kernel_equals_f_linear_and_runs_only_where_it_should(bias):
-    """DecoderLabLinear computes one row of float32 on a CPU, without autograd, as a reduction when its
+    """DecoderLabLinear computes one row of float32 on a CPU, without autograd, with its own kernel when its
     weight is large: the output equals F.linear's to float32 rounding, in every input shape that holds one
     row. Several rows, autograd, bfloat16 and small weights take F.linear (identical outputs)."""
     torch.manual_seed(0)
     large, small = modeling.DecoderLabLinear(384, 1024, bias=bias), modeling.DecoderLabLinear(128, 128, bias=bias)
-    assert large.reduce_one_row and not small.reduce_one_row
-    with torch.no_grad(), patch("torch.linalg.vecdot", wraps=torch.linalg.vecdot) as vecdot:
+    assert large.one_row_kernel and not small.one_row_kernel
+    with torch.no_grad(), patch("torch.mm", wraps=torch.mm) as kernel:  # F.linear does not go through torch.mm
         for shape in ((384,), (1, 384), (1, 1, 384)):
             x = torch.randn(shape)
             y = large(x)
             assert y.shape == (*shape[:-1], 1024)
             torch.testing.assert_close(y, F.linear(x, large.weight, large.bias), rtol=0, atol=1e-5)
-        assert vecdot.call_count == 3
+        assert kernel.call_count == 3
         x = torch.randn(2, 1, 384)
         assert torch.equal(large(x), F.linear(x, large.weight, large.bias))
         assert torch.equal(small(x[:1, :, :128]), F.linear(x[:1, :, :128], small.weight, small.bias))
         bf16 = copy.deepcopy(large).to(torch.bfloat16)
         assert torch.equal(bf16(x[:1].bfloat16()), F.linear(x[:1].bfloat16(), bf16.weight, bf16.bias))
-        assert vecdot.call_count == 3
+        assert kernel.call_count == 3
     x = torch.randn(1, 1, 384, requires_grad=True)
-    with patch("torch.linalg.vecdot", wraps=torch.linalg.vecdot) as vecdot:
+    with patch("torch.mm", wraps=torch.mm) as kernel:
         large(x).sum().backward()
-    assert vecdot.call_count == 0 and x.grad is not None and large.weight.grad is not None
+    assert kernel.call_count == 0 and x.grad is not None and large.weight.grad is not None
+
+
+@pytest.mark.slow
+def test_linear_one_row_inside_torch_compile_equals_f_linear():
+    """Compiled, every DecoderLabLinear (small ones too) computes one row as a reduction that inductor fuses;
+    the output equals F.linear's to float32 rounding, and several rows still equal F.linear's."""
+    torch.manual_seed(0)
+    for layer in (modeling.DecoderLabLinear(128, 352), modeling.DecoderLabLinear(384, 1024)):
+        compiled = torch.compile(layer, fullgraph=True)
+        with torch.no_grad():
+            for x in (torch.randn(1, 1, layer.in_features), torch.randn(3, 5, layer.in_features)):
+                torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-5)
 
 
 def test_training_forward_builds_no_cache_unless_asked(tiny_model):
