@@ -60,15 +60,24 @@ def profile_steps(model: torch.nn.Module, size: Size, steps: int) -> dict:
     }
 
 
-def forward_loop_fn(model: torch.nn.Module, prompt_length: int, new_tokens: int, vocab_size: int):
+PROMPT_TOKENS = 16  # the decoding measurements' prompt, at batch 1
+
+
+def prefilled_cache(model: torch.nn.Module, vocab_size: int) -> tuple[DynamicCache, torch.Tensor]:
+    """A fresh cache holding a random PROMPT_TOKENS-token prompt, and the prompt's last logits. No autograd."""
+    prompt = torch.randint(1, vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+    return cache, logits
+
+
+def forward_loop_fn(model: torch.nn.Module, new_tokens: int, vocab_size: int):
     """Greedy decoding without generate(): prefill, then one cached forward and an argmax per new token."""
-    prompt = torch.randint(1, vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(0))
 
     def run() -> None:
         with torch.no_grad():
-            cache = DynamicCache(config=model.config)
-            logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
-            for position in range(prompt_length, prompt_length + new_tokens - 1):
+            cache, logits = prefilled_cache(model, vocab_size)
+            for position in range(PROMPT_TOKENS, PROMPT_TOKENS + new_tokens - 1):
                 token = logits[:, -1:].argmax(-1)
                 logits = model(
                     input_ids=token,
@@ -105,11 +114,12 @@ def linear_layers_ms(model: torch.nn.Module, through_module: bool, repeats: int 
 
 def ops_per_decoding_step(model: torch.nn.Module, vocab_size: int) -> int:
     """PyTorch operators one cached forward of one token calls (top-level aten ops, as the profiler sees them)."""
-    cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.randint(1, vocab_size, (1, 16)), cache=cache, use_cache=True)
+        cache, _ = prefilled_cache(model, vocab_size)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(input_ids=torch.tensor([[1]]), position_ids=torch.tensor([[16]]), cache=cache, use_cache=True)
+            model(
+                input_ids=torch.tensor([[1]]), position_ids=torch.tensor([[PROMPT_TOKENS]]), cache=cache, use_cache=True
+            )
     return sum(1 for event in prof.events() if event.cpu_parent is None and event.name.startswith("aten::"))
 
 
@@ -117,8 +127,8 @@ def decode_breakdown(pair, size: Size, new_tokens: int, repeats: int) -> dict:
     """Per new token, ms: through generate and through the bare loop, for decoderlab and the reference."""
     workloads = {}
     for label, model in (("decoderlab", pair.ours), (pair.reference_label, pair.reference)):
-        workloads[f"{label} generate"] = generate_fn(model, 1, 16, new_tokens, size.vocab_size)
-        workloads[f"{label} forward loop"] = forward_loop_fn(model, 16, new_tokens, size.vocab_size)
+        workloads[f"{label} generate"] = generate_fn(model, 1, PROMPT_TOKENS, new_tokens, size.vocab_size)
+        workloads[f"{label} forward loop"] = forward_loop_fn(model, new_tokens, size.vocab_size)
     times = interleaved_medians(workloads, repeats=repeats)
     return {name: t["median_s"] / new_tokens * 1e3 for name, t in times.items()}
 

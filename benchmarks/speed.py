@@ -1,7 +1,7 @@
 """Speed of decoderlab against transformers' Llama and GPT-2 and against nanoGPT, side by side.
 
     python -m benchmarks.speed            # everything, about 5 minutes on 2 cores; JSON to benchmarks/results/
-    python -m benchmarks.speed --quick    # nano only, fewer repeats and tokens, about 5 minutes
+    python -m benchmarks.speed --quick    # nano only, fewer repeats and tokens, about 1 minute
 
 Each comparison builds decoderlab and the reference for the same configuration with the same weights
 (their logits are checked to agree first), feeds them the same inputs, and runs them interleaved

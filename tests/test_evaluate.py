@@ -17,11 +17,10 @@ from test_finetune import save_checkpoint_folder, tiny_config
 from test_pretrain_training import _one_thread  # noqa: F401  (autouse: one thread, as in the other training tests)
 
 import decoderlab
+from tests.paths import INPUT_TXT, REPO_ROOT, SHARED_DATA
 from training import evaluate
 from training.data import train_char_tokenizer
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-INPUT_TXT = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 LM_EVAL_TASK = REPO_ROOT / "training" / "lm_eval_tasks" / "tiny_shakespeare.yaml"
 
 
@@ -99,7 +98,7 @@ def test_evaluate_matches_a_direct_computation_and_fills_the_model_card(tmp_path
 
 def test_evaluate_names_a_missing_split(checkpoint):
     """A split the dataset does not have is an error listing the ones it has."""
-    dataset = str(REPO_ROOT.parent / "shared" / "data" / "tiny_shakespeare")
+    dataset = str(SHARED_DATA / "tiny_shakespeare")
     with pytest.raises(ValueError, match=r"has no split 'test'; its splits are \['train', 'validation'\]"):
         evaluate.main([str(checkpoint), "--dataset_name", dataset, "--split", "test"])
 

@@ -35,14 +35,13 @@ from transformers import (
 )
 
 import decoderlab
+from tests.paths import INPUT_TXT, REPO_ROOT
 from training import evaluate, finetune
 from training.data import train_char_tokenizer
 from training.finetune_args import FinetuneConfig
 from training.sft_data import DEFAULT_CHAT_TEMPLATE
 from training.shakespeare_sft_data import write_speech_data
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-INPUT_TXT = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 FINETUNE = REPO_ROOT / "training" / "finetune.py"
 
 

@@ -2,13 +2,13 @@
 the block-size policy for long prompts, and the errors for data a format cannot use."""
 
 import logging
-import pathlib
 
 import datasets
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.paths import INPUT_TXT
 from training.data import train_char_tokenizer
 from training.finetune_args import FinetuneConfig
 from training.sft_data import (
@@ -21,9 +21,6 @@ from training.sft_data import (
     pad_examples,
     tokenize_example,
 )
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-INPUT_TXT = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,8 @@ from transformers import PreTrainedTokenizerFast, pipeline
 import decoderlab
 from decoderlab.model_card import HUB_ID_PLACEHOLDER, write_model_card
 from decoderlab.push import push_to_hub
+from tests.paths import INPUT_TXT, REPO_ROOT
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO_ROOT / "../shared/data/tinyshakespeare/input.txt"
 OLAH = REPO_ROOT / ".venv-olah/bin/olah-cli"
 PROMPT = "ROMEO:"
 NEW_TOKENS = 12
@@ -163,7 +162,7 @@ def checkpoint(tmp_path_factory):
     20 AdamW steps on Tiny Shakespeare give real metrics and a model whose greedy text is not all one token.
     """
     torch.manual_seed(0)
-    text = SHAKESPEARE.read_text(encoding="utf-8")[:20_000]
+    text = INPUT_TXT.read_text(encoding="utf-8")[:20_000]
     tokenizer = train_tokenizer(text)
     config = decoderlab.DecoderLabConfig(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -1,13 +1,12 @@
 """training/data.py: tokenizers, loading errors, packing and the resumable, sharded batches."""
 
-import pathlib
-
 import datasets
 import pytest
 import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoTokenizer
 
+from tests.paths import INPUT_TXT, SHARED_DATA
 from training.args import TrainConfig
 from training.data import (
     BlockBatches,
@@ -20,8 +19,6 @@ from training.data import (
     train_char_tokenizer,
 )
 
-SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
-INPUT_TXT = SHARED_DATA / "tinyshakespeare" / "input.txt"
 HUB_LAYOUT_COPY = SHARED_DATA / "tiny_shakespeare"
 
 

@@ -21,14 +21,13 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import decoderlab
+from tests.paths import INPUT_TXT, REPO_ROOT
 from training import checkpointing, pretrain
 from training.args import TrainConfig, parse_config
 from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint
 from training.data import BlockBatches, train_char_tokenizer
 from training.loop import NonFiniteLossError, evaluate, make_accelerator, param_groups, train
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-INPUT_TXT = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
 TINY_MODEL = ["--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "2"]
 
