@@ -43,43 +43,54 @@ logger = logging.get_logger(__name__)
 
 class DecoderLabLinear(nn.Linear):
     """nn.Linear (same parameters and state dict; a subclass, so PEFT and quantizers treat it as one), with
-    faster kernels for a single input row of float32 on a CPU: the decoding step of one sequence.
+    faster kernels for a few input rows of float32 on a CPU: the decoding steps of up to 32 sequences.
 
-    For one row, F.linear is a matrix-vector product, which torch's CPU BLAS (MKL) computes on one thread
-    whatever torch.get_num_threads() says (measured here: the same time with 1 and 2 threads). MKL does
-    spread W @ X^T over the threads once X has two rows, so an eager call computes W @ [x, x]^T and keeps
-    one column: the duplicate row costs a re-read of x, from cache, not of W. Measured on 2 threads
-    (python -m benchmarks.profile_step): tiny's 43 linear layers for one token (55 MB of weights, each
-    read once) 5.7 -> 2.5 ms; greedy decoding at tiny, batch 1, then runs 1.69x LlamaForCausalLM
-    (python -m benchmarks.speed; about 1.0x with F.linear). Small weights stay in cache, where the plain
-    BLAS call is cheaper, so eagerly the kernel starts at ``ONE_ROW_KERNEL_MIN_WEIGHTS`` weights. Inside
-    torch.compile every layer computes the row as a reduction, one dot product w_i . x per row of the
-    weight, which inductor fuses into a parallel kernel of its own (static cache, decoding step: nano
-    0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms). Training, several rows, other dtypes and other devices use
-    F.linear. The sums run in another order, so outputs agree with F.linear's to float32 rounding (about
-    1e-6 at tiny's logits), not bit for bit.
+    F.linear computes X @ W^T. For a few rows, torch's CPU BLAS (MKL) barely uses a second thread on it:
+    for tiny's 8192 x 384 head, one thread -> two, 1 row 0.29 -> 0.30 ms, 8 rows 1.09 -> 0.93 ms, while the
+    same numbers computed as W @ X^T take 0.58 -> 0.29 and 1.46 -> 0.76 ms (one-off timing). So for 2 to
+    ``FEW_ROWS_KERNEL_MAX_ROWS`` rows an eager call computes W @ X^T and transposes it back, and for one row
+    W @ [x, x]^T, keeping one column (MKL threads only from two columns; the duplicate costs a re-read of
+    x, from cache, not of W). Measured on 2 threads: tiny's 43 linear layers for one token (55 MB of
+    weights, each read once) 5.7 -> 2.5 ms (python -m benchmarks.profile_step); greedy decoding at tiny
+    runs 1.69x LlamaForCausalLM at batch 1 (about 1.0x with F.linear) and 1.31x at batch 8 (1.01x), see
+    python -m benchmarks.speed. Small weights stay in cache, where the plain BLAS call is cheaper, so
+    eagerly the kernel starts at ``FEW_ROWS_KERNEL_MIN_WEIGHTS`` weights; from about 64 rows neither
+    product wins every shape, and F.linear stays. Inside torch.compile every layer computes one row as a
+    reduction, one dot product w_i . x per row of the weight, which inductor fuses into a parallel kernel
+    of its own (static cache, decoding step: nano 0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms); several rows stay
+    F.linear there. Training, more rows, other dtypes and other devices use F.linear. The sums run in
+    another order, so outputs agree with F.linear's to float32 rounding (about 1e-6 at tiny's logits), not
+    bit for bit.
     """
 
-    ONE_ROW_KERNEL_MIN_WEIGHTS = 2**17  # 512 KB of float32: larger than nano's layers, smaller than tiny's
+    FEW_ROWS_KERNEL_MIN_WEIGHTS = 2**17  # 512 KB of float32: larger than nano's layers, smaller than tiny's
+    FEW_ROWS_KERNEL_MAX_ROWS = 32
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device, dtype)
         # Decided once, as a plain attribute: a cheap test at every call
-        self.one_row_kernel = in_features * out_features >= self.ONE_ROW_KERNEL_MIN_WEIGHTS
+        self.few_rows_kernel = in_features * out_features >= self.FEW_ROWS_KERNEL_MIN_WEIGHTS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        compiling = is_torchdynamo_compiling()
         if (
-            x.numel() == self.in_features  # one row
-            and (self.one_row_kernel or is_torchdynamo_compiling())
+            0 < rows <= self.FEW_ROWS_KERNEL_MAX_ROWS
+            and x.shape[-1] == self.in_features  # otherwise F.linear names the mismatch
+            and (rows == 1 if compiling else self.few_rows_kernel)
             and x.device.type == "cpu"
             and x.dtype == self.weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         ):
-            if is_torchdynamo_compiling():
+            if compiling:
                 y = torch.linalg.vecdot(self.weight, x.reshape(-1))  # (out_features,): w_i . x for each row w_i
-            else:
+            elif rows == 1:
                 pair = x.reshape(1, -1).expand(2, -1).contiguous()  # (2, in_features): x twice
+                # Column 0 as a strided view, not copied: 4% of tiny's decoding step (one-off timing)
                 y = torch.mm(self.weight, pair.t())[:, 0]  # (out_features,)
+            else:
+                # X^T as a transposed view of X: with a row-major copy of X^T MKL is several times slower
+                y = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous()  # (rows, out_features)
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)

@@ -88,23 +88,25 @@ def test_llama_shaped_config_generates_llamas_tokens(randomize, tie_word_embeddi
     assert len(set(expected[:, 8:].flatten().tolist())) > 3  # not a degenerate repeat of one token
 
 
-def test_one_row_decoding_kernel_keeps_llamas_tokens(randomize):
-    """With layers wide enough for DecoderLabLinear's one-row kernel (decoding one sequence on a CPU), the
-    decoding steps' logits stay within float32 rounding of Llama's and greedy generation gives Llama's
-    tokens; the kernel really runs (and not for the prompt, which has many rows)."""
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_few_rows_decoding_kernel_keeps_llamas_tokens(randomize, batch_size):
+    """With layers wide enough for DecoderLabLinear's few-rows kernel (decoding up to 32 sequences on a CPU),
+    the decoding steps' logits stay within float32 rounding of Llama's and greedy generation gives Llama's
+    tokens, for one sequence and for a batch; the kernel really runs."""
     wide = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, vocab_size=512)
     llama, ours = llama_pair(randomize, tie_word_embeddings=False, **wide)
-    assert ours.model.layers[0].self_attn.q_proj.one_row_kernel and ours.lm_head.one_row_kernel
-    prompt = torch.randint(0, 512, (1, 8))
+    assert ours.model.layers[0].self_attn.q_proj.few_rows_kernel and ours.lm_head.few_rows_kernel
+    prompt = torch.randint(0, 512, (batch_size, 8))
     settings = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
     expected = llama.generate(prompt, **settings)
-    with patch("torch.mm", wraps=torch.mm) as one_row_kernel:  # F.linear does not go through torch.mm
+    with patch("torch.mm", wraps=torch.mm) as kernel:  # F.linear does not go through torch.mm
         generated = ours.generate(prompt, **settings)
-    assert one_row_kernel.call_count > 0
+    assert kernel.call_count > 0
     assert torch.equal(generated, expected)
-    with torch.no_grad():  # the last step alone: one row through every layer, against Llama's
-        mine = ours(expected[:, -1:], position_ids=torch.tensor([[27]])).logits
-        theirs = llama(expected[:, -1:], position_ids=torch.tensor([[27]])).logits
+    with torch.no_grad():  # the last step alone: one row per sequence through every layer, against Llama's
+        positions = torch.full((batch_size, 1), 27)
+        mine = ours(expected[:, -1:], position_ids=positions).logits
+        theirs = llama(expected[:, -1:], position_ids=positions).logits
     torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
 
 

@@ -193,27 +193,33 @@ def test_dropout_modules_only_when_dropout_is_set(tiny_model):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_one_row_kernel_equals_f_linear_and_runs_only_where_it_should(bias):
-    """DecoderLabLinear computes one row of float32 on a CPU, without autograd, with its own kernel when its
-    weight is large: the output equals F.linear's to float32 rounding, in every input shape that holds one
-    row. Several rows, autograd, bfloat16 and small weights take F.linear (identical outputs)."""
+def test_linear_few_rows_kernel_equals_f_linear_and_runs_only_where_it_should(bias):
+    """DecoderLabLinear computes 1 to 32 rows of float32 on a CPU, without autograd, with its own kernel when
+    its weight is large: the output equals F.linear's to float32 rounding, in every input shape, contiguous
+    like F.linear's (one row without bias: a strided view, values the same). More rows, autograd, bfloat16 and small weights take F.linear (identical outputs), and
+    an input of the wrong width gets F.linear's error, not a silently reshaped product."""
     torch.manual_seed(0)
     large, small = modeling.DecoderLabLinear(384, 1024, bias=bias), modeling.DecoderLabLinear(128, 128, bias=bias)
-    assert large.one_row_kernel and not small.one_row_kernel
+    assert large.few_rows_kernel and not small.few_rows_kernel
+    assert large.FEW_ROWS_KERNEL_MAX_ROWS == 32
+    shapes = ((384,), (1, 384), (1, 1, 384), (2, 384), (8, 1, 384), (4, 8, 384), (32, 384))
     with torch.no_grad(), patch("torch.mm", wraps=torch.mm) as kernel:  # F.linear does not go through torch.mm
-        for shape in ((384,), (1, 384), (1, 1, 384)):
+        for shape in shapes:
             x = torch.randn(shape)
             y = large(x)
             assert y.shape == (*shape[:-1], 1024)
+            assert y.is_contiguous() or (not bias and y.numel() == 1024)  # one row: column 0 of W @ [x, x]^T
             torch.testing.assert_close(y, F.linear(x, large.weight, large.bias), rtol=0, atol=1e-5)
-        assert kernel.call_count == 3
-        x = torch.randn(2, 1, 384)
+        assert kernel.call_count == len(shapes)
+        x = torch.randn(33, 1, 384)
         assert torch.equal(large(x), F.linear(x, large.weight, large.bias))
-        assert torch.equal(small(x[:1, :, :128]), F.linear(x[:1, :, :128], small.weight, small.bias))
+        assert torch.equal(small(x[:2, :, :128]), F.linear(x[:2, :, :128], small.weight, small.bias))
         bf16 = copy.deepcopy(large).to(torch.bfloat16)
-        assert torch.equal(bf16(x[:1].bfloat16()), F.linear(x[:1].bfloat16(), bf16.weight, bf16.bias))
-        assert kernel.call_count == 3
-    x = torch.randn(1, 1, 384, requires_grad=True)
+        assert torch.equal(bf16(x[:2].bfloat16()), F.linear(x[:2].bfloat16(), bf16.weight, bf16.bias))
+        assert kernel.call_count == len(shapes)
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            large(torch.randn(2, 192))  # 384 numbers: one row's worth, in the wrong shape
+    x = torch.randn(2, 1, 384, requires_grad=True)
     with patch("torch.mm", wraps=torch.mm) as kernel:
         large(x).sum().backward()
     assert kernel.call_count == 0 and x.grad is not None and large.weight.grad is not None
@@ -339,9 +345,10 @@ def test_peft_lora_still_targets_q_and_v_projections(tiny_model):
     assert with_grad and all("lora_" in name for name in with_grad)
 
 
-def test_peft_lora_wraps_the_one_row_kernel():
-    """On a projection wide enough for DecoderLabLinear's one-row kernel, LoRA's output for one row (a
-    decoding step) is the base layer's plus the adapter's, as for several rows: the adapter is not skipped."""
+def test_peft_lora_wraps_the_few_rows_kernel():
+    """On a projection wide enough for DecoderLabLinear's few-rows kernel, LoRA's output for one row and
+    for a few rows (decoding steps) is the base layer's plus the adapter's, as for 40 rows (F.linear): the
+    adapter is not skipped."""
     import peft
 
     torch.manual_seed(0)
@@ -352,8 +359,9 @@ def test_peft_lora_wraps_the_one_row_kernel():
         for name, param in lora.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.1)
-        x = torch.randn(1, 1, 384)
-        one_row, two_rows = lora(x), lora(torch.cat((x, x)))[:1]
-        base = F.linear(x, layer.q_proj.base_layer.weight)
-    torch.testing.assert_close(one_row, two_rows, rtol=0, atol=1e-5)
+        x = torch.randn(40, 1, 384)
+        one_row, four_rows, many_rows = lora(x[:1]), lora(x[:4]), lora(x)
+        base = F.linear(x[:1], layer.q_proj.base_layer.weight)
+    torch.testing.assert_close(one_row, many_rows[:1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(four_rows, many_rows[:4], rtol=0, atol=1e-5)
     assert (one_row - base).abs().max() > 1e-3
