@@ -45,22 +45,22 @@ class DecoderLabLinear(nn.Linear):
     """nn.Linear (same parameters and state dict; a subclass, so PEFT and quantizers treat it as one), with
     faster kernels for a few input rows of float32 on a CPU: the decoding steps of up to 32 sequences.
 
-    F.linear computes X @ W^T. For a few rows, torch's CPU BLAS (MKL) barely uses a second thread on it:
-    for tiny's 8192 x 384 head, one thread -> two, 1 row 0.29 -> 0.30 ms, 8 rows 1.09 -> 0.93 ms, while the
-    same numbers computed as W @ X^T take 0.58 -> 0.29 and 1.46 -> 0.76 ms (one-off timing). So for 2 to
+    F.linear computes X @ W^T. For a few rows, torch's CPU BLAS (MKL) barely uses a second thread on it: for
+    tiny's 8192 x 384 head, one thread -> two, 1 row 0.29 -> 0.30 ms, 8 rows 1.09 -> 0.93 ms, while the same
+    numbers computed as W @ X^T take 0.58 -> 0.29 and 1.46 -> 0.76 ms (one-off timing). So for 2 to
     ``FEW_ROWS_KERNEL_MAX_ROWS`` rows an eager call computes W @ X^T and transposes it back, and for one row
-    W @ [x, x]^T, keeping one column (MKL threads only from two columns; the duplicate costs a re-read of
-    x, from cache, not of W). Measured on 2 threads: tiny's 43 linear layers for one token (55 MB of
-    weights, each read once) 5.7 -> 2.5 ms (python -m benchmarks.profile_step); greedy decoding at tiny
-    runs 1.69x LlamaForCausalLM at batch 1 (about 1.0x with F.linear) and 1.31x at batch 8 (1.01x), see
-    python -m benchmarks.speed. Small weights stay in cache, where the plain BLAS call is cheaper, so
-    eagerly the kernel starts at ``FEW_ROWS_KERNEL_MIN_WEIGHTS`` weights; from about 64 rows neither
-    product wins every shape, and F.linear stays. Inside torch.compile every layer computes one row as a
-    reduction, one dot product w_i . x per row of the weight, which inductor fuses into a parallel kernel
-    of its own (static cache, decoding step: nano 0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms); several rows stay
-    F.linear there. Training, more rows, other dtypes and other devices use F.linear. The sums run in
-    another order, so outputs agree with F.linear's to float32 rounding (about 1e-6 at tiny's logits), not
-    bit for bit.
+    W @ [x, x]^T, keeping one column (MKL threads only from two columns; the duplicate costs a re-read of x,
+    from cache, not of W). Measured on 2 threads: tiny's 43 linear layers for one token (55 MB of weights,
+    each read once) 5.7 -> 2.5 ms (python -m benchmarks.profile_step); greedy decoding at tiny runs 1.6-1.7x
+    LlamaForCausalLM at batch 1 (about 1.0x with F.linear) and 1.4x at batch 8 (1.04x with F.linear for
+    several rows), in python -m benchmarks.speed. Small weights stay in cache, where the plain BLAS call is
+    cheaper, so eagerly the kernel starts at ``FEW_ROWS_KERNEL_MIN_WEIGHTS`` weights; from about 64 rows
+    neither product wins every shape, so above 32 rows (the largest batch measured end to end) F.linear
+    stays. Inside torch.compile every layer computes one row as a reduction, one dot product w_i . x per row
+    of the weight, which inductor fuses into a parallel kernel of its own (static cache, decoding step: nano
+    0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms); several rows stay F.linear there. Training, more rows, other
+    dtypes and other devices use F.linear. The sums run in another order, so outputs agree with F.linear's
+    to float32 rounding (about 1e-6 at tiny's logits), not bit for bit.
     """
 
     FEW_ROWS_KERNEL_MIN_WEIGHTS = 2**17  # 512 KB of float32: larger than nano's layers, smaller than tiny's
