@@ -1,6 +1,6 @@
 """Speed of decoderlab against transformers' Llama and GPT-2 and against nanoGPT, side by side.
 
-    python -m benchmarks.speed            # everything, about 5 minutes on 2 cores; JSON to benchmarks/results/
+    python -m benchmarks.speed            # everything, about 7 minutes on 2 cores; JSON to benchmarks/results/
     python -m benchmarks.speed --quick    # nano only, fewer repeats and tokens, about 1 minute
 
 Each comparison builds decoderlab and the reference for the same configuration with the same weights
@@ -13,8 +13,8 @@ every ratio is decoderlab / reference from the same run. fp32 on CPU, ``--thread
 - decode: greedy ``generate`` with the default (dynamic) KV cache at batch 1 and 8; new tokens/s.
 - prefill: one forward over a 512-token prompt filling a fresh cache; ms.
 - compile: ``generate(cache_implementation="static")`` with ``model.forward = torch.compile(...)`` (inductor's
-  defaults, and its C++ wrapper), against the reference compiled the same way and against the reference's
-  plain ``generate``; new tokens/s.
+  defaults at batch 1 and 8, and its C++ wrapper at batch 1), against the reference compiled the same way and
+  against the reference's plain ``generate`` at the same batch size; new tokens/s.
 
 References: ``LlamaForCausalLM`` (decoderlab's ``llama`` preset), ``GPT2LMHeadModel`` (``gpt2`` preset),
 both with SDPA attention, and nanoGPT (benchmarks/reference_nanogpt.py) for training at nano, against
@@ -202,54 +202,79 @@ def bench_prefill(size_name: str, repeats: int, prompt_length: int = 512) -> lis
 # torch.compile settings timed: inductor's defaults, and its C++ wrapper, which calls the compiled kernels
 # from generated C++ instead of Python (less overhead per step, which is what batch-1 decoding is made of)
 COMPILE_OPTIONS = {"inductor": {}, "inductor cpp_wrapper": {"cpp_wrapper": True}}
+# Batch sizes timed for each setting: batch 8 once, with inductor's defaults
+COMPILE_BATCHES = {"inductor": (1, 8), "inductor cpp_wrapper": (1,)}
 
 
 def bench_compile(size_name: str, repeats: int, quick: bool) -> list[dict]:
-    """Static cache + compiled forward, batch 1, for each of COMPILE_OPTIONS. The compiled models are also
-    timed against the reference's plain generate (dynamic cache, eager), the figure a user switching gets."""
+    """Static cache + compiled forward for each of COMPILE_OPTIONS, at the batch sizes of COMPILE_BATCHES. The
+    compiled models are also timed against the reference's plain generate (dynamic cache, eager) at the same
+    batch size, the figure a user switching gets."""
     size = SIZES[size_name]
     prompt, new = decode_lengths(size_name, quick)
     pair = llama_pair(size)
+    runs = [(setting, batch) for setting, batches in COMPILE_BATCHES.items() for batch in batches]
     # Dynamo keeps compiled graphs per code object, and every forward wrapped by transformers' deprecate_kwarg
-    # shares one: four models, each with a prefill and a decoding graph, pass its default limit of 8.
+    # shares one: each compiled model and batch size adds a prefill and a decoding graph, which soon passes
+    # dynamo's default limit of 8.
     torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(COMPILE_OPTIONS) * 2)
-    workloads = {"plain": generate_fn(copy.deepcopy(pair.reference), 1, prompt, new, size.vocab_size)}  # uncompiled
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(runs) * 2)
+    batch_sizes = sorted({batch for _, batch in runs})
+    workloads = {  # uncompiled
+        f"plain, batch {batch}": generate_fn(copy.deepcopy(pair.reference), batch, prompt, new, size.vocab_size)
+        for batch in batch_sizes
+    }
     compile_s = {}
-    for setting, options in COMPILE_OPTIONS.items():
+    for setting, batch in runs:
         for name, model in (("ours", pair.ours), ("reference", pair.reference)):
             model = copy.deepcopy(model)
-            model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
-            run = generate_fn(model, 1, prompt, new, size.vocab_size, cache_implementation="static")
+            model.forward = torch.compile(
+                model.forward, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS[setting]
+            )
+            run = generate_fn(model, batch, prompt, new, size.vocab_size, cache_implementation="static")
             start = time.perf_counter()
             run()  # compiles the prefill and decode graphs
             run()
-            compile_s[f"{name}, {setting}"] = time.perf_counter() - start
-            workloads[f"{name}, {setting}"] = run
+            compile_s[f"{name}, {setting}, batch {batch}"] = time.perf_counter() - start
+            workloads[f"{name}, {setting}, batch {batch}"] = run
     load = load_average()
     times = interleaved_medians(workloads, repeats=repeats)
-    rate = {name: new / t["median_s"] for name, t in times.items()}
+    rate = {
+        name: int(name.rsplit(" ", 1)[1]) * new / t["median_s"] for name, t in times.items()
+    }  # every name ends in its batch size
     common = dict(load=[load, load_average()], prompt_tokens=prompt, new_tokens=new, compile_s=compile_s)
     plain = Pair("llama-plain", None, None, "LlamaForCausalLM, dynamic cache, eager")
     rows = []
-    for setting in COMPILE_OPTIONS:
-        ours = rate[f"ours, {setting}"]
+    for setting, batch in runs:
+        ours, label = rate[f"ours, {setting}, batch {batch}"], "" if batch == 1 else f", batch {batch}"
         rows.append(
             result(
-                f"decode tokens/s, static cache + compile ({setting})",
+                f"decode tokens/s{label}, static cache + compile ({setting})",
                 size_name,
                 pair,
                 "tokens/s",
                 ours,
-                rate[f"reference, {setting}"],
-                samples_s={"ours": times[f"ours, {setting}"], "reference": times[f"reference, {setting}"]},
+                rate[f"reference, {setting}, batch {batch}"],
+                samples_s={
+                    "ours": times[f"ours, {setting}, batch {batch}"],
+                    "reference": times[f"reference, {setting}, batch {batch}"],
+                },
+                batch_size=batch,
                 **common,
             )
         )
         rows.append(
-            result(f"decode tokens/s, static + compile ({setting}) vs plain", size_name, plain, "tokens/s", ours,
-                   rate["plain"], **common)
-        )  # fmt: skip
+            result(
+                f"decode tokens/s{label}, static + compile ({setting}) vs plain",
+                size_name,
+                plain,
+                "tokens/s",
+                ours,
+                rate[f"plain, batch {batch}"],
+                batch_size=batch,
+                **common,
+            )
+        )
     return rows
 
 

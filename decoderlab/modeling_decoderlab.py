@@ -58,9 +58,10 @@ class DecoderLabLinear(nn.Linear):
     neither product wins every shape, so above 32 rows (the largest batch measured end to end) F.linear
     stays. Inside torch.compile every layer computes one row as a reduction, one dot product w_i . x per row
     of the weight, which inductor fuses into a parallel kernel of its own (static cache, decoding step: nano
-    0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms); several rows stay F.linear there. Training, more rows, other
-    dtypes and other devices use F.linear. The sums run in another order, so outputs agree with F.linear's
-    to float32 rounding (about 1e-6 at tiny's logits), not bit for bit.
+    0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms); 2 to 32 rows take W @ X^T there too (static cache at tiny, batch
+    8: 1.19x -> 1.69x LlamaForCausalLM's plain generate in a one-off run; python -m benchmarks.speed times
+    it). Training, more rows, other dtypes and other devices use F.linear. The sums run in another order, so
+    outputs agree with F.linear's to float32 rounding (about 1e-6 at tiny's logits), not bit for bit.
     """
 
     FEW_ROWS_KERNEL_MIN_WEIGHTS = 2**17  # 512 KB of float32: larger than nano's layers, smaller than tiny's
@@ -77,16 +78,16 @@ class DecoderLabLinear(nn.Linear):
         if (
             0 < rows <= self.FEW_ROWS_KERNEL_MAX_ROWS
             and x.shape[-1] == self.in_features  # otherwise F.linear names the mismatch
-            and (rows == 1 if compiling else self.few_rows_kernel)
+            and (self.few_rows_kernel or (compiling and rows == 1))
             and x.device.type == "cpu"
             and x.dtype == self.weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         ):
-            if compiling:
+            if compiling and rows == 1:
                 y = torch.linalg.vecdot(self.weight, x.reshape(-1))  # (out_features,): w_i . x for each row w_i
             elif rows == 1:
                 pair = x.reshape(1, -1).expand(2, -1).contiguous()  # (2, in_features): x twice
-                # Column 0 as a strided view, not copied: 4% of tiny's decoding step (one-off timing)
+                # Column 0 as a strided view: copying it costs ~3 us a layer, 2-3% of tiny's decoding step (one-off)
                 y = torch.mm(self.weight, pair.t())[:, 0]  # (out_features,)
             else:
                 # X^T as a transposed view of X: with a row-major copy of X^T MKL is several times slower

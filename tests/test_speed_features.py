@@ -225,15 +225,42 @@ def test_linear_few_rows_kernel_equals_f_linear_and_runs_only_where_it_should(bi
     assert kernel.call_count == 0 and x.grad is not None and large.weight.grad is not None
 
 
+def traced_calls(layer: torch.nn.Module, x: torch.Tensor) -> str:
+    """The functions dynamo's graph of ``layer(x)`` calls, as one string (no inductor: the traced graph)."""
+    graphs = []
+
+    def record(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(layer, backend=record, fullgraph=True)(x)
+    return " ".join(str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function")
+
+
+def test_linear_kernels_traced_by_torch_compile():
+    """Inside torch.compile, one row goes through the reduction (vecdot) in every layer, small ones too; 2 to
+    32 rows go through W @ X^T in layers large enough for the few-rows kernel; more rows, and several rows in
+    small layers, through F.linear."""
+    small, large = modeling.DecoderLabLinear(128, 352), modeling.DecoderLabLinear(384, 1024)
+    assert "vecdot" in traced_calls(small, torch.randn(1, 1, 128))
+    assert "vecdot" in traced_calls(large, torch.randn(1, 1, 384))
+    assert "built-in method mm" in traced_calls(large, torch.randn(8, 1, 384))
+    assert "linear" in traced_calls(large, torch.randn(33, 1, 384))
+    assert "linear" in traced_calls(small, torch.randn(8, 1, 128))
+
+
 @pytest.mark.slow
-def test_linear_one_row_inside_torch_compile_equals_f_linear():
-    """Compiled, every DecoderLabLinear (small ones too) computes one row as a reduction that inductor fuses;
-    the output equals F.linear's to float32 rounding, and several rows still equal F.linear's."""
+def test_linear_few_rows_inside_torch_compile_equals_f_linear():
+    """Compiled with inductor, DecoderLabLinear's output equals F.linear's to float32 rounding for one row (the
+    reduction), a few rows (W @ X^T in the large layer) and many rows (F.linear)."""
     torch.manual_seed(0)
     for layer in (modeling.DecoderLabLinear(128, 352), modeling.DecoderLabLinear(384, 1024)):
         compiled = torch.compile(layer, fullgraph=True)
         with torch.no_grad():
-            for x in (torch.randn(1, 1, layer.in_features), torch.randn(3, 5, layer.in_features)):
+            for rows in ((1, 1), (3, 5), (40, 1)):
+                x = torch.randn(*rows, layer.in_features)
                 torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-5)
 
 
