@@ -1,0 +1,61 @@
+"""benchmarks/: the scripts behind the README's Performance figures run end to end and report what they claim to.
+
+Smoke tests only: one timed round each, nothing asserted about the times (speed is measured by running the
+scripts, never inside tests), only that every comparison ran, checked its pair and wrote a usable figure.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES
+from tests.paths import REPO_ROOT
+
+
+def run_module(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_speed_quick_run_writes_every_comparison(tmp_path):
+    """``python -m benchmarks.speed --quick`` (one round): every benchmark writes its rows at nano, each with
+    both figures and their ratio, and the table is printed."""
+    out = tmp_path / "speed.json"
+    stdout = run_module("benchmarks.speed", "--quick", "--repeats", "1", "--json", str(out))
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert {row["size"] for row in rows} == {"nano"}
+    for row in rows:
+        assert row["decoderlab"] > 0 and row["reference_value"] > 0
+        assert math.isclose(row["ratio"], row["decoderlab"] / row["reference_value"])
+    names = {row["benchmark"] for row in rows}
+    expected = {  # one row name each benchmark writes (the first four at least once per reference)
+        "train": "train tokens/s",
+        "memory": "train peak memory added",
+        "decode": "decode tokens/s, batch 8",
+        "prefill": "prefill 512 tokens, ms",
+        "compile": "decode tokens/s, static cache + compile (inductor)",
+    }
+    assert expected.keys() == set(BENCHMARKS) and set(expected.values()) <= names
+    compiled = [row for row in rows if "compile" in row["benchmark"]]
+    # per compiled run: against the reference compiled the same way, and against its plain generate
+    assert len(compiled) == 2 * sum(len(batches) for batches in COMPILE_BATCHES.values())
+    assert f"wrote {out}" in stdout and "ratio" in stdout
+
+
+@pytest.mark.slow
+def test_profile_step_reports_the_breakdowns():
+    """``python -m benchmarks.profile_step`` at nano (one profiled step): the matmul share of a training step for
+    both models, the decoding breakdown, and the linear layers alone."""
+    stdout = run_module("benchmarks.profile_step", "--sizes", "nano", "--steps", "1", "--decode_repeats", "1")
+    for model in ("decoderlab", "LlamaForCausalLM"):
+        assert any(line.strip().startswith(model) and "matmuls" in line for line in stdout.splitlines())
+    assert "generate's own work" in stdout and "PyTorch ops per forward" in stdout
+    assert "the linear layers alone, one token" in stdout
