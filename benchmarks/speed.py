@@ -220,13 +220,14 @@ def bench_compile(size_name: str, repeats: int, quick: bool) -> list[dict]:
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(runs) * 2)
     batch_sizes = sorted({batch for _, batch in runs})
-    workloads = {  # uncompiled
-        f"plain, batch {batch}": generate_fn(copy.deepcopy(pair.reference), batch, prompt, new, size.vocab_size)
-        for batch in batch_sizes
-    }
+    workloads, batch_of = {}, {}  # name -> work, name -> its batch size
+    for batch in batch_sizes:  # uncompiled
+        name = f"plain, batch {batch}"
+        workloads[name] = generate_fn(copy.deepcopy(pair.reference), batch, prompt, new, size.vocab_size)
+        batch_of[name] = batch
     compile_s = {}
     for setting, batch in runs:
-        for name, model in (("ours", pair.ours), ("reference", pair.reference)):
+        for model_name, model in (("ours", pair.ours), ("reference", pair.reference)):
             model = copy.deepcopy(model)
             model.forward = torch.compile(
                 model.forward, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS[setting]
@@ -235,30 +236,27 @@ def bench_compile(size_name: str, repeats: int, quick: bool) -> list[dict]:
             start = time.perf_counter()
             run()  # compiles the prefill and decode graphs
             run()
-            compile_s[f"{name}, {setting}, batch {batch}"] = time.perf_counter() - start
-            workloads[f"{name}, {setting}, batch {batch}"] = run
+            name = f"{model_name}, {setting}, batch {batch}"
+            compile_s[name] = time.perf_counter() - start
+            workloads[name], batch_of[name] = run, batch
     load = load_average()
     times = interleaved_medians(workloads, repeats=repeats)
-    rate = {
-        name: int(name.rsplit(" ", 1)[1]) * new / t["median_s"] for name, t in times.items()
-    }  # every name ends in its batch size
+    rate = {name: batch_of[name] * new / t["median_s"] for name, t in times.items()}
     common = dict(load=[load, load_average()], prompt_tokens=prompt, new_tokens=new, compile_s=compile_s)
     plain = Pair("llama-plain", None, None, "LlamaForCausalLM, dynamic cache, eager")
     rows = []
     for setting, batch in runs:
-        ours, label = rate[f"ours, {setting}, batch {batch}"], "" if batch == 1 else f", batch {batch}"
+        ours_name, reference_name = f"ours, {setting}, batch {batch}", f"reference, {setting}, batch {batch}"
+        label = "" if batch == 1 else f", batch {batch}"
         rows.append(
             result(
                 f"decode tokens/s{label}, static cache + compile ({setting})",
                 size_name,
                 pair,
                 "tokens/s",
-                ours,
-                rate[f"reference, {setting}, batch {batch}"],
-                samples_s={
-                    "ours": times[f"ours, {setting}, batch {batch}"],
-                    "reference": times[f"reference, {setting}, batch {batch}"],
-                },
+                rate[ours_name],
+                rate[reference_name],
+                samples_s={"ours": times[ours_name], "reference": times[reference_name]},
                 batch_size=batch,
                 **common,
             )
@@ -269,7 +267,7 @@ def bench_compile(size_name: str, repeats: int, quick: bool) -> list[dict]:
                 size_name,
                 plain,
                 "tokens/s",
-                ours,
+                rate[ours_name],
                 rate[f"plain, batch {batch}"],
                 batch_size=batch,
                 **common,
