@@ -59,3 +59,24 @@ def test_profile_step_reports_the_breakdowns():
         assert any(line.strip().startswith(model) and "matmuls" in line for line in stdout.splitlines())
     assert "generate's own work" in stdout and "PyTorch ops per forward" in stdout
     assert "the linear layers alone, one token" in stdout
+
+
+@pytest.mark.slow
+def test_gpu_mfu_dry_run_compares_like_with_like(tmp_path):
+    """``python -m benchmarks.gpu_mfu --dry_run`` (CPU, a tiny model), the script to run when a GPU is lent: all
+    four variants train, MFU is the FLOP count times the throughput over the peak, and decoderlab and
+    LlamaForCausalLM, holding the same weights and fed the same batch, end at the same loss in each mode."""
+    out = tmp_path / "mfu.json"
+    stdout = run_module("benchmarks.gpu_mfu", "--dry_run", "--json", str(out))
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert set(results) == {"decoderlab-compiled", "llama-compiled", "decoderlab-eager", "llama-eager"}
+    peak = float(report["args"]["peak_tflops"]) * 1e12
+    for result in results.values():
+        assert result["tokens_per_s"] > 0
+        assert math.isclose(result["mfu"], report["flops_per_token"] * result["tokens_per_s"] / peak)
+    for mode in ("compiled", "eager"):
+        ours, reference = results[f"decoderlab-{mode}"], results[f"llama-{mode}"]
+        assert math.isfinite(ours["final_loss"])
+        assert abs(ours["final_loss"] - reference["final_loss"]) < 1e-3, mode
+        assert f"decoderlab / Llama, {mode}:" in stdout

@@ -179,13 +179,13 @@ def test_gelu_new_runs_as_pytorchs_tanh_gelu():
 
 
 def test_dropout_modules_only_when_dropout_is_set(tiny_model):
-    """hidden_dropout=0 leaves the layers without a dropout module (nothing to call); a positive rate
-    still drops in training mode and not in eval mode."""
+    """hidden_dropout=0 leaves the layers and the embeddings without a dropout module (nothing to call); a
+    positive rate still drops in training mode and not in eval mode."""
     x = torch.randint(0, 99, (2, 10))
     plain = tiny_model()
-    assert all(layer.dropout is None for layer in plain.model.layers)
+    assert plain.model.dropout is None and all(layer.dropout is None for layer in plain.model.layers)
     dropping = tiny_model(hidden_dropout=0.5)
-    assert all(layer.dropout.p == 0.5 for layer in dropping.model.layers)
+    assert dropping.model.dropout.p == 0.5 and all(layer.dropout.p == 0.5 for layer in dropping.model.layers)
     with torch.no_grad():
         assert torch.equal(dropping(x).logits, dropping(x).logits)
         dropping.train()
