@@ -1,6 +1,6 @@
 """Speed of decoderlab against transformers' Llama and GPT-2 and against nanoGPT, side by side.
 
-    python -m benchmarks.speed            # everything, about 7 minutes on 2 cores; JSON to benchmarks/results/
+    python -m benchmarks.speed            # everything, 5-7 minutes on 2 cores; JSON to benchmarks/results/
     python -m benchmarks.speed --quick    # nano only, fewer repeats and tokens, about 1 minute
 
 Each comparison builds decoderlab and the reference for the same configuration with the same weights
