@@ -196,8 +196,9 @@ def test_dropout_modules_only_when_dropout_is_set(tiny_model):
 def test_linear_few_rows_kernel_equals_f_linear_and_runs_only_where_it_should(bias):
     """DecoderLabLinear computes 1 to 32 rows of float32 on a CPU, without autograd, with its own kernel when
     its weight is large: the output equals F.linear's to float32 rounding, in every input shape, contiguous
-    like F.linear's (one row without bias: a strided view, values the same). More rows, autograd, bfloat16 and small weights take F.linear (identical outputs), and
-    an input of the wrong width gets F.linear's error, not a silently reshaped product."""
+    like F.linear's (one row without bias: a strided view, values the same). More rows, autograd, bfloat16
+    and small weights take F.linear (identical outputs), and an input of the wrong width gets F.linear's
+    error, not a silently reshaped product."""
     torch.manual_seed(0)
     large, small = modeling.DecoderLabLinear(384, 1024, bias=bias), modeling.DecoderLabLinear(128, 128, bias=bias)
     assert large.few_rows_kernel and not small.few_rows_kernel
