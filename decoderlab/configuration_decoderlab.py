@@ -138,6 +138,9 @@ class DecoderLabConfig(PreTrainedConfig):
             else:
                 self.intermediate_size = 4 * self.hidden_size
         super().__post_init__(**kwargs)  # standardises rope_parameters (rope_theta, rope_scaling kwargs)
+        if self.position_embedding_type != "rope":
+            # Nothing rotates: tools that look for RoPE settings (RoPE scaling in serving engines) must not find any
+            self.rope_parameters = None
         self._check()
 
     def _check(self) -> None:

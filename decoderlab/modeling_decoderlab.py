@@ -1,14 +1,15 @@
 """DecoderLab: a small decoder-only Transformer whose mechanisms are configuration switches.
 
-Read top to bottom: linear layers, norms, positions, attention, MLP, the decoder blocks (one small class per norm
-placement), then the Hugging Face ``PreTrainedModel`` classes. Variants are chosen once in
-``__init__``; every ``forward`` is straight-line.
+Read top to bottom: norms, positions, attention, MLP, the decoder blocks (one small class per norm placement),
+then the Hugging Face ``PreTrainedModel`` classes. Variants are chosen once in ``__init__``; every ``forward`` is
+straight-line. Speed tricks (linear layers for a few rows, RMSNorm's and the loss's hand-written backward, the
+decoding-step preparation) sit beside this file in ``kernels_decoderlab.py``; each computes what the plain op it
+replaces computes.
 
-This file travels inside checkpoints (``trust_remote_code``), so it imports only ``torch``,
-``transformers`` (and ``safetensors``, which transformers requires) and ``.configuration_decoderlab``.
+This file travels inside checkpoints (``trust_remote_code``) with its siblings, so it imports only ``torch``,
+``transformers`` (and ``safetensors``, which transformers requires) and the ``*_decoderlab`` modules beside it.
 """
 
-import inspect
 import math
 from collections.abc import Callable
 
@@ -33,111 +34,13 @@ from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_decoderlab import DecoderLabConfig
+from .kernels_decoderlab import DecoderLabLinear, DecodingStepFastPath, causal_lm_loss, rms_norm
 
 logger = logging.get_logger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
-# Linear layers
-
-
-class DecoderLabLinear(nn.Linear):
-    """nn.Linear (same parameters and state dict; a subclass, so PEFT and quantizers treat it as one), with
-    faster kernels for a few input rows of float32 on a CPU: the decoding steps of up to 32 sequences.
-
-    F.linear computes X @ W^T. For a few rows, torch's CPU BLAS (MKL) barely uses a second thread on it: for
-    tiny's 8192 x 384 head, one thread -> two, 1 row 0.29 -> 0.30 ms, 8 rows 1.09 -> 0.93 ms, while the same
-    numbers computed as W @ X^T take 0.58 -> 0.29 and 1.46 -> 0.76 ms (one-off timing). So for 2 to
-    ``FEW_ROWS_KERNEL_MAX_ROWS`` rows an eager call computes W @ X^T and transposes it back, and for one row
-    W @ [x, x]^T, keeping one column (MKL threads only from two columns; the duplicate costs a re-read of x,
-    from cache, not of W). Measured on 2 threads: tiny's 43 linear layers for one token (55 MB of weights,
-    each read once) 5.7 -> 2.5 ms (python -m benchmarks.profile_step); greedy decoding at tiny runs 1.6-1.7x
-    LlamaForCausalLM at batch 1 (about 1.0x with F.linear) and 1.4x at batch 8 (1.04x with F.linear for
-    several rows), in python -m benchmarks.speed. Small weights stay in cache, where the plain BLAS call is
-    cheaper, so eagerly the kernel starts at ``FEW_ROWS_KERNEL_MIN_WEIGHTS`` weights; from about 64 rows
-    neither product wins every shape, so above 32 rows (the largest batch measured end to end) F.linear
-    stays. Inside torch.compile every layer computes one row as a reduction, one dot product w_i . x per row
-    of the weight, which inductor fuses into a parallel kernel of its own (static cache, decoding step: nano
-    0.56 -> 0.47 ms, tiny 6.7 -> 2.0 ms); 2 to 32 rows take W @ X^T there too (static cache at tiny, batch
-    8: 1.19x -> 1.69x LlamaForCausalLM's plain generate in a one-off run; python -m benchmarks.speed times
-    it). Training, more rows, other dtypes and other devices use F.linear. The sums run in another order, so
-    outputs agree with F.linear's to float32 rounding (about 1e-6 at tiny's logits), not bit for bit.
-    """
-
-    FEW_ROWS_KERNEL_MIN_WEIGHTS = 2**17  # 512 KB of float32: larger than nano's layers, smaller than tiny's
-    FEW_ROWS_KERNEL_MAX_ROWS = 32
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, device, dtype)
-        # Decided once, as a plain attribute: a cheap test at every call
-        self.few_rows_kernel = in_features * out_features >= self.FEW_ROWS_KERNEL_MIN_WEIGHTS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compiling = is_torchdynamo_compiling()
-        if not (self.few_rows_kernel or compiling):
-            # A small layer, eagerly: straight to F.linear, skipping the tests below (about 2 us a call, most of
-            # a small layer's own Python; nano decodes ~5% faster at batch 1)
-            return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // self.in_features
-        if (
-            0 < rows <= self.FEW_ROWS_KERNEL_MAX_ROWS
-            and x.shape[-1] == self.in_features  # otherwise F.linear names the mismatch
-            and (self.few_rows_kernel or (compiling and rows == 1))
-            and x.device.type == "cpu"
-            and x.dtype == self.weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-        ):
-            if compiling and rows == 1:
-                y = torch.linalg.vecdot(self.weight, x.reshape(-1))  # (out_features,): w_i . x for each row w_i
-            elif rows == 1:
-                pair = x.reshape(1, -1).expand(2, -1).contiguous()  # (2, in_features): x twice
-                # Column 0 as a strided view: copying it costs ~3 us a layer, 2-3% of tiny's decoding step (one-off)
-                y = torch.mm(self.weight, pair.t())[:, 0]  # (out_features,)
-            else:
-                # X^T as a transposed view of X: with a row-major copy of X^T MKL is several times slower
-                y = torch.mm(self.weight, x.reshape(rows, -1).t()).t().contiguous()  # (rows, out_features)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
-
-
-# ----------------------------------------------------------------------------------------------
 # Norms
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """x in float32, or in float64 if it is float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """w * (x / rms(x)) with its gradient written out, for training.
-
-    The forward runs LlamaRMSNorm's ops in its order (identical outputs). The backward, with
-    x̂ = x / rms(x) and g' = g * w: dL/dx = (g' - x̂ * mean(g' * x̂)) / rms(x), dL/dw = sum over tokens of
-    g * x̂. Autograd's backward of the same forward makes about twice the passes over (B, T, C) and
-    zero-fills scratch tensors. Forward + backward, one thread: 320 -> 255 us at nano (12 x 64 x 128),
-    7.6 -> 4.6 ms at tiny (12 x 256 x 384); LlamaRMSNorm takes 435 us and 7.9 ms.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = upcast(x)
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
-        x_hat = x32 * rstd
-        ctx.save_for_backward(x_hat, rstd, weight)
-        ctx.input_dtype = x.dtype
-        return weight * x_hat.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x_hat, rstd, weight = ctx.saved_tensors
-        grad_w = upcast(grad * weight)  # g'
-        dot = torch.linalg.vecdot(grad_w, x_hat).unsqueeze(-1).div_(x_hat.shape[-1])  # mean(g' * x̂): (..., 1)
-        grad_x = torch.addcmul(grad_w, x_hat, dot, value=-1).mul_(rstd).to(ctx.input_dtype)
-        grad_weight = (grad * x_hat.to(ctx.input_dtype)).flatten(0, -2).sum(0).to(weight.dtype)
-        return grad_x, grad_weight, None
 
 
 class DecoderLabRMSNorm(nn.Module):
@@ -149,11 +52,7 @@ class DecoderLabRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return RMSNormFunction.apply(x, self.weight, self.eps)
-        # Without autograd: F.rms_norm runs the same ops in the same order (LlamaRMSNorm's outputs bit for
-        # bit) in one call, 2.4 us less per norm than spelling them out (17 -> 14 us for one token)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)  # w * x * rsqrt(mean(x^2) + eps), in float32
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -203,8 +102,6 @@ class DecoderLabRotaryEmbedding(nn.Module):
 
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # No torch.no_grad() context (nothing here requires grad) and no multiply by a scaling of 1.0:
-        # 26 -> 16 us per forward pass
         freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)  # (B, T, d/2)
         cos, sin = freqs.cos(), freqs.sin()
         # HF's half-split layout, with the sign of rotate_half folded into sin (see rotate)
@@ -218,8 +115,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     """Rotate each pair (x_i, x_{i+d/2}) of the last dimension by the angle whose cosine and sine the tables
     hold: Llama's x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1). With the sign folded into
     signed_sin = (-sin, sin), rotate_half(x) * sin = roll(x, d/2) * signed_sin, bit for bit (negation is
-    exact): one roll instead of chunk, neg and cat. Per layer at nano, q and k together: 25 -> 17 us for one
-    token; forward + backward 314 -> 246 us for a training batch."""
+    exact): one roll instead of chunk, neg and cat."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
@@ -238,19 +134,38 @@ def apply_rotary_pos_emb(
     return torch.cat((rotate(q_rot, cos, sin), q_pass), dim=-1), torch.cat((rotate(k_rot, cos, sin), k_pass), dim=-1)
 
 
+def check_indices(indices: torch.Tensor, size: int, error: Callable[[int | None, int | None], str]) -> None:
+    """Raise ValueError(error(lowest, highest)) unless every index lies in [0, size), instead of an opaque index
+    error deeper down. On a CPU the range is read at once; on an accelerator the check is a device-side assertion
+    (its message, error(None, None), cannot name the values), so that no decoding step waits for a device-to-host
+    copy."""
+    if is_torchdynamo_compiling() or indices.numel() == 0:
+        return
+    if indices.device.type == "cpu":
+        low, high = (int(v) for v in torch.aminmax(indices))  # one reduction
+        if low < 0 or high >= size:
+            raise ValueError(error(low, high))
+    else:
+        low, high = torch.aminmax(indices)
+        torch._assert_async((low >= 0) & (high < size), error(None, None))
+
+
 class DecoderLabAbsolutePositionalEmbedding(nn.Module):
     """Base for positions added to the token embeddings; refuses positions past the table."""
 
     def check(self, position_ids: torch.Tensor) -> None:
-        if is_torchdynamo_compiling():
-            return
-        longest = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        if longest > self.num_positions:
-            raise ValueError(
-                f"Position {longest - 1} is past max_position_embeddings={self.num_positions} of "
-                f"{self.__class__.__name__}: the sequence (prompt plus generated tokens) is {longest} long. "
-                "Shorten it, or use position_embedding_type='rope', which has no fixed limit."
-            )
+        check_indices(position_ids, self.num_positions, self.position_error)
+
+    def position_error(self, low: int | None, high: int | None) -> str:
+        where = f"max_position_embeddings={self.num_positions} of {self.__class__.__name__}"
+        if low is not None and low < 0:
+            return f"Position {low} is negative; positions index {where} from 0."
+        found = f"Position {high} is" if high is not None else "A position is"
+        length = f"is {high + 1} long" if high is not None else "is too long"
+        return (
+            f"{found} past {where}: the sequence (prompt plus generated tokens) {length}. "
+            "Shorten it, or use position_embedding_type='rope', which has no fixed limit."
+        )
 
 
 class DecoderLabLearnedPositionalEmbedding(DecoderLabAbsolutePositionalEmbedding):
@@ -363,7 +278,7 @@ class DecoderLabAttention(nn.Module):
         self.q_norm = make_norm(config, hs) if config.qk_norm else None
         self.k_norm = make_norm(config, hs) if config.qk_norm else None
 
-    def forward(  # internal: no deprecate_kwarg wrapper here, 5 us per layer and token
+    def forward(  # internal: called with `cache` only, so no argument-renaming wrapper
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -406,7 +321,7 @@ class DecoderLabAttention(nn.Module):
 def activation(name: str) -> nn.Module:
     """transformers' activation ``name``. "gelu_new" (GPT-2's tanh approximation of GELU) is transformers'
     formula spelled out in seven ops; PyTorch's gelu(approximate="tanh") computes the same formula in one
-    kernel (outputs within 2.4e-7): forward + backward 3.7 -> 1.5 ms at nano's MLP width, 56 -> 18 ms at tiny's."""
+    kernel (outputs within 2.4e-7)."""
     return ACT2FN["gelu_pytorch_tanh" if name == "gelu_new" else name]
 
 
@@ -451,7 +366,7 @@ class DecoderLabDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = DecoderLabAttention(config, layer_idx)
         self.mlp = MLP_CLASSES[config.mlp_type](config)
-        # No module without dropout: calling nn.Dropout(0.0) costs 3 us, twice per layer and token
+        # No module without dropout: nothing to call twice per layer and token
         self.dropout = nn.Dropout(config.hidden_dropout) if config.hidden_dropout > 0 else None
 
     def attend(self, x, attention_mask, position_embeddings, cache, **kwargs) -> torch.Tensor:
@@ -583,27 +498,17 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         # A damaged weights file otherwise surfaces as safetensors' bare "Error while deserializing header".
+        # Weights the checkpoint lacks are initialized, listed in the loading info and logged, as in every
+        # transformers model.
         try:
-            model, info = super().from_pretrained(
-                pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
-            )
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except SafetensorError as err:
             raise OSError(
                 f"The weights of {pretrained_model_name_or_path} cannot be read: a .safetensors file there is "
                 f"truncated or corrupted ({err}). Download or save the checkpoint again."
             ) from err
-        # transformers only logs weights a checkpoint lacks and leaves them random. A new task head
-        # (lm_head, score) may legitimately be missing; a missing piece of the decoder is a broken checkpoint.
-        missing = sorted(k for k in info["missing_keys"] if not k.startswith(("lm_head.", "score.")))
-        if missing:
-            raise OSError(
-                f"The checkpoint {pretrained_model_name_or_path} lacks {len(missing)} weight(s) of the decoder: "
-                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. Its weight files are incomplete or "
-                "were saved from a different configuration."
-            )
-        return (model, info) if output_loading_info else model
 
 
 class DecoderLabModel(DecoderLabPreTrainedModel):
@@ -612,7 +517,6 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
     def __init__(self, config: DecoderLabConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         position_type = config.position_embedding_type
         self.embed_positions = (
@@ -628,15 +532,15 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         self.post_init()
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
-        """An id outside the vocabulary would otherwise surface as an opaque index error."""
-        if is_torchdynamo_compiling() or input_ids.numel() == 0:
-            return
-        low, high = (int(v) for v in torch.aminmax(input_ids))  # one reduction, Python comparisons: 6 -> 3 us
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(
-                f"input_ids must lie in [0, vocab_size={self.vocab_size}), but range from {low} to {high}. "
-                "Was the text tokenized with this model's tokenizer?"
-            )
+        """Ids must index the embedding as it is now (``resize_token_embeddings`` may have grown it)."""
+        size = self.embed_tokens.num_embeddings
+        check_indices(
+            input_ids,
+            size,
+            lambda low, high: f"input_ids must lie in [0, vocab_size={size}), but "
+            + (f"range from {low} to {high}. " if low is not None else "do not. ")
+            + "Was the text tokenized with this model's tokenizer?",
+        )
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
@@ -659,8 +563,7 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         # Only positions given by the caller can mark several sequences packed into one row; those made here
-        # are consecutive, so create_causal_mask is spared its search for packing (a diff, a cumsum and a
-        # device sync): 46 -> 9 us per call with a nano training batch
+        # are consecutive, so create_causal_mask is spared its search for packing (and its device sync)
         given_position_ids = position_ids
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
@@ -689,67 +592,9 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
-# ----------------------------------------------------------------------------------------------
-# Loss
-
-
-class CrossEntropyFunction(torch.autograd.Function):
-    """Sum over rows of -log softmax(logits)[target]; rows whose target is ``ignore_index`` count 0.
-
-    F.cross_entropy(reduction="sum")'s value with fewer (N, V) buffers: F.cross_entropy keeps the
-    log-probabilities for its backward, which then allocates a zero-filled gradient for them and a third
-    (N, V) tensor for the logits'. Here only each row's log-sum-exp (N,) is kept, and the backward writes
-    softmax - one_hot straight into the logits' gradient. Peak training memory at tiny (3072 x 8192 logits):
-    1308 -> 1191 MB added by training (LlamaForCausalLM -> decoderlab); time about the same (one thread,
-    forward + backward 182 -> 198 ms CPU time).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        valid = targets != ignore_index
-        safe_targets = torch.where(valid, targets, 0)[:, None]  # (N, 1): ignored rows point anywhere, masked
-        logits32 = upcast(logits)  # as transformers' loss, which upcasts the logits
-        logprobs = F.log_softmax(logits32, dim=-1)  # (N, V), freed on return
-        target_logprobs = logprobs.gather(1, safe_targets).squeeze(1)  # (N,)
-        # log-sum-exp = x_j - log p_j for any j; at the row's maximum |log p_j| <= log V, the least rounding
-        largest, at = logits32.max(dim=-1, keepdim=True)
-        lse = (largest - logprobs.gather(1, at)).squeeze(1)  # (N,)
-        ctx.save_for_backward(logits, lse, safe_targets, valid)
-        return -torch.where(valid, target_logprobs, 0.0).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, lse, safe_targets, valid = ctx.saved_tensors
-        scale = torch.where(valid, grad, 0.0)[:, None]  # (N, 1): d(loss) / d(row's loss)
-        grad_logits = torch.sub(upcast(logits), lse[:, None]).exp_().mul_(scale)  # softmax * scale
-        return grad_logits.scatter_add_(1, safe_targets, -scale).to(logits.dtype), None, None  # - one_hot * scale
-
-
-def causal_lm_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    vocab_size: int,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor:
-    """transformers' ForCausalLMLoss (same arguments, same value, computed in float32): position t predicts
-    labels[t + 1]; the mean over targets that are not ``ignore_index``, or their sum / num_items_in_batch
-    when that is given (gradient accumulation), through ``CrossEntropyFunction``."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = shift_labels.reshape(-1).to(logits.device)
-    total = CrossEntropyFunction.apply(logits.reshape(-1, vocab_size), targets, ignore_index)
-    if num_items_in_batch is None:
-        return total / (targets != ignore_index).sum()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
-
-
-class DecoderLabForCausalLM(DecoderLabPreTrainedModel, GenerationMixin):
-    """The decoder with a language-modelling head; ``generate`` comes from ``GenerationMixin``."""
+class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, GenerationMixin):
+    """The decoder with a language-modelling head; ``generate`` comes from ``GenerationMixin`` (with a shorter
+    preparation of the plain decoding step, ``DecodingStepFastPath``)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # applied if tie_word_embeddings
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -761,16 +606,9 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, GenerationMixin):
         self.model = DecoderLabModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = DecoderLabLinear(config.hidden_size, config.vocab_size, bias=False)
+        # transformers' ForCausalLMLoss, computed with fewer (tokens x vocabulary) buffers; assign another to replace it
+        self.loss_function = causal_lm_loss
         self.post_init()
-
-    @property
-    def loss_function(self) -> Callable:
-        """``causal_lm_loss``, unless another loss was assigned to ``model.loss_function``."""
-        return getattr(self, "_loss_function", causal_lm_loss)
-
-    @loss_function.setter
-    def loss_function(self, value: Callable) -> None:
-        self._loss_function = value
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
@@ -790,8 +628,7 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, GenerationMixin):
         mode with gradients on, no KV cache is built unless ``use_cache=True`` is passed."""
         if use_cache is None and self.training and torch.is_grad_enabled():
             # A training step has no use for a cache: building one copies every layer's keys and values and
-            # keeps them alive with the output. Forward + backward: 43.3 -> 42.0 ms at nano, 1.79 -> 1.77 s
-            # at tiny, where the cache would hold 57 MB. Decided here: in DecoderLabModel.forward,
+            # keeps them alive with the output. Decided here: in DecoderLabModel.forward,
             # merge_with_config_defaults has already replaced an absent use_cache by the config's True
             use_cache = False
         outputs: BaseModelOutputWithPast = self.model(
@@ -816,56 +653,6 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.LongTensor,
-        next_sequence_length: int | None = None,
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        is_first_iteration: bool | None = False,
-        **kwargs,
-    ) -> dict:
-        """GenerationMixin's, with a short path for the common decoding step: after the prompt, token ids on
-        the model's device, a cache, only the arguments below, and no padding where a static cache would want
-        the mask expanded to 4D. That step's inputs are the new ids and positions (and, with a dynamic cache,
-        the 2D mask); with a static cache the causal mask is made inside ``forward`` (inside the compiled
-        graph when ``forward`` is compiled) instead of here.
-        Measured per call (nano, batch 1): 35 -> 10 us with a dynamic cache, 113 -> 10 us with a static one.
-        Every other case (prompt, inputs_embeds, padding with a static cache, other arguments) goes to
-        GenerationMixin's version."""
-        short_path = (
-            not is_first_iteration
-            and next_sequence_length is not None
-            and cache is not None
-            and inputs_embeds is None
-            and (attention_mask is None or not cache.is_compileable or bool(attention_mask.all()))
-            and kwargs.keys() <= {"position_ids", "logits_to_keep", "use_cache"}
-            and input_ids.device == self.lm_head.weight.device
-        )
-        if not short_path:
-            return super().prepare_inputs_for_generation(
-                input_ids,
-                next_sequence_length=next_sequence_length,
-                cache=cache,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                is_first_iteration=is_first_iteration,
-                **kwargs,
-            )
-        # clone: the same contiguous strides at every step, as GenerationMixin gives (a compiled forward relies on it)
-        contiguous = torch.contiguous_format
-        model_inputs = {
-            "input_ids": input_ids[:, -next_sequence_length:].clone(memory_format=contiguous),
-            "cache": cache,
-        }
-        model_inputs.update(kwargs)
-        if (position_ids := kwargs.get("position_ids")) is not None:
-            model_inputs["position_ids"] = position_ids[..., -next_sequence_length:].clone(memory_format=contiguous)
-        if attention_mask is not None and not cache.is_compileable:
-            model_inputs["attention_mask"] = attention_mask
-        return model_inputs
-
 
 class DecoderLabForSequenceClassification(GenericForSequenceClassification, DecoderLabPreTrainedModel):
     """Classifier on the last non-padding token (transformers' generic head)."""
@@ -884,9 +671,6 @@ DecoderLabConfig.register_for_auto_class()
 DecoderLabModel.register_for_auto_class("AutoModel")
 DecoderLabForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 DecoderLabForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
-# Registered classes count as remote code, whose forward signature generate() inspects at every step
-# (inspect.signature, 23 us); stored once, the signature is a lookup (6 us).
-DecoderLabForCausalLM.forward.__signature__ = inspect.signature(DecoderLabForCausalLM.forward)
 
 __all__ = [
     "DecoderLabPreTrainedModel",

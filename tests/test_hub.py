@@ -246,8 +246,8 @@ def test_push_uploads_a_loadable_repository(hub, checkpoint, pushed):
     api = HfApi(token=hub.token)
     files = set(api.list_repo_files(repo_id, revision=commit))
     assert {
-        "config.json", "configuration_decoderlab.py", "modeling_decoderlab.py", "model.safetensors",
-        "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", "metrics.jsonl",
+        "config.json", "configuration_decoderlab.py", "modeling_decoderlab.py", "kernels_decoderlab.py",
+        "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", "metrics.jsonl",
         "training_curve.png",
     } <= files  # fmt: skip
     assert not any(name.startswith("checkpoint-10") for name in files)
@@ -337,6 +337,9 @@ BREAKAGES = {  # name: (how to break a checkpoint folder, what the refusal must 
         lambda f: (f / "configuration_decoderlab.py").unlink(), "configuration_decoderlab.py is missing"
     ),
     "no-model-code": (lambda f: (f / "modeling_decoderlab.py").unlink(), "modeling_decoderlab.py is missing"),
+    "no-kernels-code": (
+        lambda f: (f / "kernels_decoderlab.py").unlink(), "kernels_decoderlab.py is missing (imported by modeling"
+    ),
     "no-weights": (lambda f: (f / "model.safetensors").unlink(), "no .safetensors weights"),
     "pickle": (lambda f: save_pickle(f / "pytorch_model.bin"), "pickle files would be uploaded: pytorch_model.bin"),
     "fake-safetensors": (lambda f: save_pickle(f / "model.safetensors"), "model.safetensors is not a safetensors"),

@@ -1,4 +1,4 @@
-"""Checkpoints: safetensors plus the two source files, loading back to the same model with the package,
+"""Checkpoints: safetensors plus the source files, loading back to the same model with the package,
 and without it through trust_remote_code (the way a Hub user without decoderlab installed loads one)."""
 
 import json
@@ -22,12 +22,13 @@ CHECKPOINT_FILES = {
     "model.safetensors",
     "configuration_decoderlab.py",
     "modeling_decoderlab.py",
+    "kernels_decoderlab.py",
 }
 
 
 def test_save_and_load_every_position_type_and_block(tmp_path, tiny_model, position_type, block_variant):
     """save_pretrained writes safetensors (no pickle), config.json with an auto_map for every Auto class and
-    both source files; AutoModelForCausalLM.from_pretrained gives identical, finite logits. This catches
+    the source files (the modeling file and the siblings it imports); AutoModelForCausalLM.from_pretrained gives identical, finite logits. This catches
     buffers that are not saved (RoPE inv_freq, the sinusoidal table) and not rebuilt after transformers
     builds the model on the meta device."""
     model = tiny_model(position_embedding_type=position_type, **block_variant)
