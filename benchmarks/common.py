@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -277,6 +279,26 @@ def interleaved_medians(
 def load_average() -> float:
     """The 1-minute load average: how busy the machine was while a figure was taken."""
     return os.getloadavg()[0]
+
+
+def cpu_name() -> str:
+    """The processor's model name: figures from one CPU do not carry over to another."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(threads: int) -> str:
+    """One line naming what a benchmark ran on, printed by every benchmark before its figures."""
+    return (
+        f"CPU: {cpu_name()} ({os.cpu_count()} cores, {threads} threads), torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, load {load_average():.1f}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks.common import machine_line
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
 LOCAL_DATASET = REPO_ROOT / ".." / "shared" / "data" / "tiny_shakespeare"
@@ -66,6 +68,7 @@ def main() -> None:
     parser.add_argument("--json_out", type=pathlib.Path, default=None)
     args = parser.parse_args()
     flags = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path("/proc/cpuinfo").exists() else set()
+    print(machine_line(args.num_threads))
     print(f"CPU bf16 instructions: {sorted(f for f in flags if 'bf16' in f) or 'none found'}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
-from benchmarks.common import SIZES, Size, generate_fn, interleaved_medians, llama_pair, train_step_fn
+from benchmarks.common import SIZES, Size, generate_fn, interleaved_medians, llama_pair, machine_line, train_step_fn
 
 
 def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(machine_line(args.threads), flush=True)
     peak = matmul_peak()
     print(f"fp32 matmul peak here (2048 x 2048, {args.threads} threads): {peak / 1e9:.0f} GFLOP/s")
     for name in args.sizes:

@@ -39,11 +39,13 @@ from benchmarks.common import (
     SIZES,
     Pair,
     Size,
+    cpu_name,
     generate_fn,
     gpt2_pair,
     interleaved_medians,
     llama_pair,
     load_average,
+    machine_line,
     max_logit_difference,
     nanogpt_pairs,
     peak_training_memory,
@@ -282,23 +284,12 @@ def environment(threads: int) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "processor": _cpu_name(),
+        "processor": cpu_name(),
         "cpus": os.cpu_count(),
         "threads": threads,
         "dtype": "float32",
         "start": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def format_table(rows: list[dict], header: bool = True) -> str:
@@ -340,6 +331,7 @@ def main() -> None:
         "results": rows,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    print(machine_line(args.threads), flush=True)
     for size_name in sizes:
         for benchmark in args.benchmarks:
             print(f"[{time.strftime('%H:%M:%S')}] {benchmark} at {size_name} (load {load_average():.1f})", flush=True)
