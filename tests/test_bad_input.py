@@ -22,6 +22,34 @@ def test_token_ids_outside_the_vocabulary(tiny_model, bad_id):
         model.generate(x, max_new_tokens=2, pad_token_id=0)
 
 
+def test_token_ids_after_resize_token_embeddings(tiny_model):
+    """After resize_token_embeddings to a larger vocabulary (adding special tokens before fine-tuning), the new
+    ids pass the check and reach the new rows; ids past the new size are still refused, naming it."""
+    model = tiny_model()
+    model.resize_token_embeddings(103)
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 101, 102]])).logits
+    assert logits.shape == (1, 3, 103) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size=103\).*103"):
+        model(torch.tensor([[5, 103]]))
+
+
+def test_range_checks_on_an_accelerator_read_nothing_back():
+    """Off the CPU the checks are device-side assertions: nothing is copied to the host (here the meta device,
+    whose tensors hold no values, so any read of one would raise), and the assertion carries the message."""
+    from unittest.mock import patch
+
+    from decoderlab.modeling_decoderlab import check_indices
+
+    ids = torch.randint(0, 99, (2, 5), device="meta")
+    with patch("torch._assert_async", wraps=torch._assert_async) as asserted:
+        check_indices(ids, 99, lambda low, high: f"ids out of range ({low}, {high})")
+    (condition, message), _ = asserted.call_args
+    assert condition.device.type == "meta" and message == "ids out of range (None, None)"
+    with pytest.raises(ValueError, match=r"ids out of range \(-1, 3\)"):
+        check_indices(torch.tensor([3, -1]), 99, lambda low, high: f"ids out of range ({low}, {high})")
+
+
 @pytest.mark.parametrize("position_type", ["learned", "sinusoidal"])
 def test_sequence_longer_than_the_position_table(tiny_model, position_type):
     """Learned and sinusoidal tables have max_position_embeddings rows (64 here): a longer input, or a
