@@ -13,7 +13,11 @@ PYTEST_ARGS ?=
 
 OLAH_VENV ?= .venv-olah
 
-.PHONY: venv olah demo test lint clean
+# transformers' common model tests (tests/test_hf_common.py) come from the sdist of the installed release, never
+# vendored: its tests/ folder and PKG-INFO, unpacked into .hf-tests/ (gitignored); .hf-tests/current points at it
+HF_TESTS := .hf-tests/current/tests
+
+.PHONY: venv olah hf-tests demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,16 +37,26 @@ $(OLAH_VENV)/.installed:
 
 olah: $(OLAH_VENV)/.installed
 
+hf-tests: venv
+	@version=$$($(PY) -c "import transformers; print(transformers.__version__)"); \
+	if [ ! -f .hf-tests/transformers-$$version/tests/test_modeling_common.py ]; then \
+		mkdir -p .hf-tests && \
+		$(PY) -m pip download -q --no-binary :all: --no-deps transformers==$$version -d .hf-tests && \
+		tar -xzf .hf-tests/transformers-$$version.tar.gz -C .hf-tests \
+			transformers-$$version/PKG-INFO transformers-$$version/tests || exit 1; \
+	fi; \
+	ln -sfn transformers-$$version .hf-tests/current
+
 demo: venv
 	$(PY) training/pretrain.py --config training/configs/shakespeare_char.yaml \
 		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
 	$(PY) training/generate.py $(OUT) --prompt "ROMEO:" --max_new_tokens 300
 
-test: venv olah
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: venv olah hf-tests
+	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLAH_VENV) out
+	rm -rf $(VENV) $(OLAH_VENV) .hf-tests out

@@ -139,8 +139,9 @@ class DecoderLabConfig(PreTrainedConfig):
                 self.intermediate_size = 4 * self.hidden_size
         super().__post_init__(**kwargs)  # standardises rope_parameters (rope_theta, rope_scaling kwargs)
         if self.position_embedding_type != "rope":
-            # Nothing rotates: tools that look for RoPE settings (RoPE scaling in serving engines) must not find any
-            self.rope_parameters = None
+            # Nothing rotates: like GPT2Config, the config has no rope_parameters at all, so that tools that look
+            # for RoPE settings (transformers' RoPE utilities, serving engines' RoPE scaling) find none
+            del self.rope_parameters
         self._check()
 
     def _check(self) -> None:
@@ -239,6 +240,18 @@ class DecoderLabConfig(PreTrainedConfig):
         fields = copy.deepcopy({**PRESETS[name], **SIZES.get(size, {})})
         return cls(**{**fields, **overrides})
 
+
+# The field's class-level default would still answer `hasattr(config, "rope_parameters")` for configs without
+# RoPE; `__init__` keeps its own copy of the default.
+del DecoderLabConfig.rope_parameters
+
+
+def _config_eq(self, other) -> bool:
+    # The dataclass `__eq__` reads every field, rope_parameters too, which configs without RoPE do not have
+    return isinstance(other, DecoderLabConfig) and self.to_dict() == other.to_dict()
+
+
+DecoderLabConfig.__eq__ = _config_eq
 
 # `@strict` checks field types (and `Literal` choices) as fields are set, raising its own
 # StrictDataclassFieldValidationError, which is not a ValueError. Re-raise those as ValueError so that

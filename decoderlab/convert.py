@@ -159,7 +159,7 @@ def decoderlab_config_from_neox(neox: GPTNeoXConfig) -> DecoderLabConfig:
 def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
     """The LlamaConfig computing exactly what ``config`` computes, or one ValueError listing every field
     Llama cannot express. Models built with ``DecoderLabConfig.from_preset("llama", ...)`` always export."""
-    rotary_fraction = (config.rope_parameters or {}).get("partial_rotary_factor", 1.0)
+    rotary_fraction = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
     in_the_way = {
         "norm_placement": (config.norm_placement != "pre", "Llama normalises before each sublayer ('pre')"),
         "use_parallel_residual": (config.use_parallel_residual, "Llama's sublayers run one after the other"),

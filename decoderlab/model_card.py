@@ -199,7 +199,7 @@ def describe_mechanisms(config: DecoderLabConfig) -> str:
 
 
 def format_switch(config: DecoderLabConfig, name: str) -> str:
-    value = getattr(config, name)
+    value = getattr(config, name, None)  # configs without RoPE have no rope_parameters
     if name == "attention_scale" and value is None:
         return f"`None` (1/sqrt(head_dim) = {config.head_dim**-0.5:.4g})"
     if name == "rope_parameters" and config.position_embedding_type != "rope":

@@ -4,6 +4,7 @@ Every bad configuration must reach the user as a ValueError whose message names 
 value and what is allowed, whether it comes from Python keyword arguments or from a config.json.
 """
 
+import copy
 import json
 import subprocess
 import sys
@@ -77,6 +78,24 @@ def test_derived_defaults():
     assert DecoderLabConfig(hidden_size=64, num_attention_heads=4, head_dim=32).head_dim == 32  # explicit wins
     assert DecoderLabConfig(num_attention_heads=12, num_key_value_heads=1).num_key_value_heads == 1
     assert DecoderLabConfig(rope_theta=5e5).rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
+
+
+@pytest.mark.parametrize("position_type", ["sinusoidal", "learned", "none"])
+def test_configs_without_rope_have_no_rope_parameters(tmp_path, position_type):
+    """Like GPT2Config, a config whose positions do not rotate has no rope_parameters at all (tools detect RoPE
+    by that attribute), also when one is passed or read from a config.json that has one; it still compares,
+    copies, saves and loads."""
+    config = DecoderLabConfig(
+        position_embedding_type=position_type, rope_parameters={"rope_type": "default", "rope_theta": 5.0}
+    )
+    assert not hasattr(config, "rope_parameters") and "rope_parameters" not in config.to_dict()
+    assert config == copy.deepcopy(config) and config != DecoderLabConfig()
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" not in saved
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_parameters": None}))
+    assert not hasattr(AutoConfig.from_pretrained(tmp_path), "rope_parameters")
+    assert DecoderLabConfig().rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
 
 
 def test_dict_round_trip():
