@@ -17,7 +17,7 @@ OLAH_VENV ?= .venv-olah
 # vendored: its tests/ folder and PKG-INFO, unpacked into .hf-tests/ (gitignored); .hf-tests/current points at it
 HF_TESTS := .hf-tests/current/tests
 
-.PHONY: venv olah hf-tests demo test lint clean
+.PHONY: venv olah hf-tests demo test test-versions lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -52,6 +52,10 @@ demo: venv
 		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
 	$(PY) training/generate.py $(OUT) --prompt "ROMEO:" --max_new_tokens 300
 
+# The checkpoint round trip across transformers releases, each in its own environment under .venv-tf/
+test-versions:
+	python3 tests/version_matrix/run_matrix.py
+
 test: venv olah hf-tests
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
 
@@ -59,4 +63,4 @@ lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLAH_VENV) .hf-tests out
+	rm -rf $(VENV) $(OLAH_VENV) .hf-tests .venv-tf out

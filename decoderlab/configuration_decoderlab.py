@@ -1,8 +1,11 @@
 """DecoderLab configuration: every mechanism of the decoder is a field here, validated once.
 
 This file travels inside checkpoints (``trust_remote_code``), so it imports only ``transformers``
-and ``huggingface_hub`` (which transformers depends on).
+and ``huggingface_hub`` (which transformers depends on), and ``compat_decoderlab.py`` beside it.
 """
+
+# First: on an unsupported transformers, its version check raises one clear error before an import below fails
+from .compat_decoderlab import OUTPUT_CACHE_FIELD  # isort: skip
 
 import copy
 import functools
@@ -69,7 +72,7 @@ class DecoderLabConfig(PreTrainedConfig):
     """
 
     model_type = "decoderlab"
-    keys_to_ignore_at_inference = ["cache"]
+    keys_to_ignore_at_inference = [OUTPUT_CACHE_FIELD]  # the outputs' cache: "past_key_values" before 5.24
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",

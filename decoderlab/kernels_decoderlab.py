@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils.import_utils import is_torchdynamo_compiling
 
+from .compat_decoderlab import GENERATE_CACHE_KWARG
+
 # ----------------------------------------------------------------------------------------------
 # Linear layers: a few rows of float32 on a CPU
 
@@ -220,20 +222,20 @@ class DecodingStepFastPath:
     ``forward`` is compiled). Why: GenerationMixin's general version costs several times more Python per step,
     which is a visible share of a small model's decoding step.
 
-    The short path runs only with the arguments of the newer ``generate`` loops (``next_sequence_length`` and the
-    cache under ``cache``), after the prompt, ids on the model's CPU, no ``inputs_embeds``, only the keyword
-    arguments below, and no padding where a static cache would want the mask expanded to 4D. Everything else is
-    GenerationMixin's, called with exactly the arguments ``generate`` passed.
+    The short path runs only with the arguments of the newer ``generate`` loops (``next_sequence_length``, and the
+    cache under ``cache``, ``past_key_values`` before 5.24), after the prompt, ids on the model's CPU, no
+    ``inputs_embeds``, only the keyword arguments below, and no padding where a static cache would want the mask
+    expanded to 4D. Everything else is GenerationMixin's, called with exactly the arguments ``generate`` passed.
     """
 
     SHORT_PATH_KWARGS = frozenset(
-        {"next_sequence_length", "cache", "attention_mask", "is_first_iteration", "position_ids", "logits_to_keep"}
-        | {"use_cache", "inputs_embeds"}
+        {"next_sequence_length", GENERATE_CACHE_KWARG, "attention_mask", "is_first_iteration", "position_ids"}
+        | {"logits_to_keep", "use_cache", "inputs_embeds"}
     )
 
     def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, **kwargs) -> dict:
         step = kwargs.get("next_sequence_length")
-        cache = kwargs.get("cache")
+        cache = kwargs.get(GENERATE_CACHE_KWARG)  # generate() passes it as past_key_values before 5.24
         attention_mask = kwargs.get("attention_mask")
         short_path = (
             step is not None

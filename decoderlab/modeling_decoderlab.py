@@ -8,7 +8,19 @@ replaces computes.
 
 This file travels inside checkpoints (``trust_remote_code``) with its siblings, so it imports only ``torch``,
 ``transformers`` (and ``safetensors``, which transformers requires) and the ``*_decoderlab`` modules beside it.
+Names that differ between transformers releases (5.12 to 5.24) come from ``compat_decoderlab.py``.
 """
+
+# First: on an unsupported transformers, its version check raises one clear error before an import below fails
+from .compat_decoderlab import (  # isort: skip
+    accepts_past_key_values,
+    base_model_output,
+    causal_lm_output,
+    create_causal_mask,
+    dynamic_rope_update,
+    output_cache,
+    slice_logits_to_keep,
+)
 
 import math
 from collections.abc import Callable
@@ -21,14 +33,12 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.import_utils import is_torchdynamo_compiling
 from transformers.utils.output_capturing import capture_outputs
@@ -537,12 +547,14 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         check_indices(
             input_ids,
             size,
-            lambda low, high: f"input_ids must lie in [0, vocab_size={size}), but "
-            + (f"range from {low} to {high}. " if low is not None else "do not. ")
-            + "Was the text tokenized with this model's tokenizer?",
+            lambda low, high: (
+                f"input_ids must lie in [0, vocab_size={size}), but "
+                + (f"range from {low} to {high}. " if low is not None else "do not. ")
+                + "Was the text tokenized with this model's tokenizer?"
+            ),
         )
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values  # the cache under its name before transformers 5.24 too
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -589,7 +601,7 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return base_model_output(hidden_states, cache)  # cache=: the field is past_key_values before 5.24
 
 
 class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, GenerationMixin):
@@ -610,7 +622,7 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
         self.loss_function = causal_lm_loss
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values  # the cache under its name before transformers 5.24 too
     @can_return_tuple
     def forward(
         self,
@@ -645,10 +657,10 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        return causal_lm_output(
+            logits,
+            output_cache(outputs),
             loss=loss,
-            logits=logits,
-            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

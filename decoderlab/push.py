@@ -83,7 +83,9 @@ def checkpoint_problems(folder: pathlib.Path, files: list[str]) -> list[str]:
     """Everything that would stop the pushed repository loading safely where decoderlab is not installed."""
     problems = [f"{name} is missing" for name in CODE_FILES if name not in files]
     siblings = {(sibling, name) for name in CODE_FILES if name in files for sibling in relative_imports(folder / name)}
-    problems += [f"{sibling} is missing (imported by {name})" for sibling, name in sorted(siblings) if sibling not in files]
+    problems += [
+        f"{sibling} is missing (imported by {name})" for sibling, name in sorted(siblings) if sibling not in files
+    ]
     pickles = [name for name in files if name.lower().endswith(PICKLE_SUFFIXES)]
     if pickles:
         problems.append(f"pickle files would be uploaded: {', '.join(pickles)}; delete them (weights: safetensors)")

@@ -247,7 +247,7 @@ def test_push_uploads_a_loadable_repository(hub, checkpoint, pushed):
     files = set(api.list_repo_files(repo_id, revision=commit))
     assert {
         "config.json", "configuration_decoderlab.py", "modeling_decoderlab.py", "kernels_decoderlab.py",
-        "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", "metrics.jsonl",
+        "compat_decoderlab.py", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", "metrics.jsonl",
         "training_curve.png",
     } <= files  # fmt: skip
     assert not any(name.startswith("checkpoint-10") for name in files)
@@ -339,6 +339,9 @@ BREAKAGES = {  # name: (how to break a checkpoint folder, what the refusal must 
     "no-model-code": (lambda f: (f / "modeling_decoderlab.py").unlink(), "modeling_decoderlab.py is missing"),
     "no-kernels-code": (
         lambda f: (f / "kernels_decoderlab.py").unlink(), "kernels_decoderlab.py is missing (imported by modeling"
+    ),
+    "no-compat-code": (
+        lambda f: (f / "compat_decoderlab.py").unlink(), "compat_decoderlab.py is missing (imported by configuration"
     ),
     "no-weights": (lambda f: (f / "model.safetensors").unlink(), "no .safetensors weights"),
     "pickle": (lambda f: save_pickle(f / "pytorch_model.bin"), "pickle files would be uploaded: pytorch_model.bin"),
