@@ -480,6 +480,8 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": DecoderLabDecoderLayer, "attentions": DecoderLabAttention}
+    # Under a device_map, accelerate leaves the KV cache where it is (its keyword before transformers 5.24 too)
+    _skip_keys_device_placement = ["cache", "past_key_values"]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
