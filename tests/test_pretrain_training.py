@@ -24,7 +24,7 @@ import decoderlab
 from tests.paths import INPUT_TXT, REPO_ROOT
 from training import checkpointing, pretrain
 from training.args import TrainConfig, parse_config
-from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint
+from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint, save_final_folder
 from training.data import BlockBatches, train_char_tokenizer
 from training.loop import NonFiniteLossError, evaluate, make_accelerator, param_groups, train
 
@@ -148,6 +148,19 @@ def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny
     assert not (tmp_path / "step_20.tmp").exists()
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         resolve_checkpoint(str(tmp_path / "step_30"), tmp_path)
+
+
+def test_final_folder_of_a_compiled_model_holds_the_models_own_weights(tmp_path, tiny_model):
+    """A ``torch.compile`` wrapper prefixes every parameter name with ``_orig_mod.``; the final folder keeps
+    the model's own names, so it loads back with exactly the trained weights."""
+    model = tiny_model()
+    accelerator = make_accelerator(TrainConfig(output_dir=str(tmp_path)))
+    compiled = accelerator.prepare(torch.compile(model))  # compiled lazily: nothing runs here
+    save_final_folder(accelerator, compiled, train_char_tokenizer(["abc"]), tmp_path, {}, {})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, text_files):
