@@ -250,6 +250,30 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
     assert capsys.readouterr().out == "ROMEO:" + full[: full.index(stop) + len(stop)] + "\n"
 
 
+def folder_snapshot(folder: pathlib.Path) -> dict:
+    """Every file under ``folder``: its bytes and modification time."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_rerunning_a_finished_run_leaves_it_as_it_was_and_more_steps_continue_it(tmp_path, text_files, capsys):
+    """The same command again (``--resume_from_checkpoint latest``) on a finished run says it is already
+    finished, returns normally and rewrites nothing (no byte and no modification time changes); with a
+    raised ``--max_train_steps`` it trains on from the last checkpoint instead."""
+    out = tmp_path / "run"
+    argv = tiny_argv(text_files, out, "--max_train_steps", "20", "--resume_from_checkpoint", "latest")
+    pretrain.main(argv)
+    finished = folder_snapshot(out)
+    capsys.readouterr()
+
+    pretrain.main(argv)
+    assert "already finished at step 20" in capsys.readouterr().out
+    assert folder_snapshot(out) == finished
+
+    pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "30", "--resume_from_checkpoint", "latest"))
+    assert sorted(train_losses(out)) == [5, 10, 15, 20, 25, 30]
+    assert json.loads((out / "step_30" / checkpointing.STATE_NAME).read_text())["tokens"] == 30 * 4 * 16
+
+
 @pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_losses(tmp_path, text_files):
     """A run killed with SIGKILL mid-training and resumed with --resume_from_checkpoint latest logs the same

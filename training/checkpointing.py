@@ -153,10 +153,15 @@ def resolve_checkpoint(spec: str | None, output_dir) -> pathlib.Path | None:
     return path
 
 
+def read_state(path) -> TrainState:
+    """Where the run saved in the checkpoint folder ``path`` was: step, tokens, elapsed time."""
+    return TrainState(**json.loads((pathlib.Path(path) / STATE_NAME).read_text()))
+
+
 def load_checkpoint(accelerator: Accelerator, path) -> TrainState:
     """Restore weights, optimizer, scheduler and RNG states into the prepared objects; return the run's state."""
     accelerator.load_state(str(path))
-    state = TrainState(**json.loads((pathlib.Path(path) / STATE_NAME).read_text()))
+    state = read_state(path)
     logger.info(f"Resumed from {path} at step {state.step}")
     return state
 

@@ -35,7 +35,7 @@ from training.args import parse_config
 from training.checkpointing import hardware_description, resolve_checkpoint, run_info, save_final_folder
 from training.finetune_args import FinetuneConfig
 from training.loop import TrainResult, make_accelerator, setup_script_logging, train
-from training.pretrain import summary
+from training.pretrain import already_finished_message, summary
 from training.sft_data import prepare_finetune_data, set_chat_template
 
 logger = logging.getLogger("training.finetune")
@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     result = train(model, batches, eval_rows, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
+    if result.already_finished:
+        if accelerator.is_main_process:
+            print(already_finished_message(result, cfg))
+        return
 
     save_output(accelerator, result, tokenizer, cfg, run_info(accelerator))
     accelerator.end_training()

@@ -30,7 +30,7 @@ from transformers import get_scheduler
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
-from .checkpointing import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpointing import TrainState, list_checkpoints, load_checkpoint, read_state, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,7 @@ class TrainResult:
     state: TrainState
     train_loss: float | None  # mean of the last logging window
     eval_metrics: dict = field(default_factory=dict)  # the final evaluation over every validation block
+    already_finished: bool = False  # resumed from a checkpoint at or past max_train_steps: nothing was run
 
 
 def train(
@@ -236,9 +237,13 @@ def train(
         show_progress: a tqdm bar (loss, tokens/s, ETA) on the main process.
 
     The caller saves what it needs, then calls ``accelerator.end_training()`` (closes the trackers and
-    the process group, after which processes can no longer wait for each other).
+    the process group, after which processes can no longer wait for each other). Resumed from a checkpoint
+    that already reached ``max_train_steps``, it returns at once with ``already_finished`` set, having
+    touched nothing (a finished run started again is left exactly as it was).
     """
     max_steps = num_training_steps(cfg, batches)
+    if resume_from is not None and (done := read_state(resume_from)).step >= max_steps:
+        return TrainResult(model, done, train_loss=None, already_finished=True)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, max_steps)
     if cfg.torch_compile:

@@ -79,6 +79,13 @@ def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes:
     }
 
 
+def already_finished_message(result: TrainResult, cfg: TrainConfig) -> str:
+    return (
+        f"{cfg.output_dir}: already finished at step {result.state.step} (max_train_steps={cfg.max_train_steps}), "
+        "nothing to do; the folder is left as it was. Raise --max_train_steps to train on from there."
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainConfig, argv)
     accelerator = make_accelerator(cfg)
@@ -93,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{accelerator.num_processes} process(es) on {accelerator.device}, {len(eval_blocks)} validation blocks"
     )
     result = train(model, batches, eval_blocks, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
+    if result.already_finished:
+        if accelerator.is_main_process:
+            print(already_finished_message(result, cfg))
+        return
 
     info = run_info(accelerator)
     save_final_folder(accelerator, result.model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
