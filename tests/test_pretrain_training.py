@@ -6,6 +6,7 @@ process; the SIGKILL and the two-process runs are subprocesses with the same thr
 arithmetic is the same as in-process.
 """
 
+import itertools
 import json
 import math
 import os
@@ -123,6 +124,41 @@ def test_evaluate_weights_every_predicted_token_once(tiny_model):
     result = evaluate(model, blocks, batch_size=4, accelerator=accelerator)
     assert result["eval_loss"] == pytest.approx(expected, rel=1e-6)
     assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
+
+
+class ListBatches:
+    """The loop's batch protocol over a fixed list of batches, repeated."""
+
+    def __init__(self, batches: list[dict]):
+        self.batches = batches
+
+    def iterate(self, start: int = 0):
+        for index in itertools.count(start):
+            yield self.batches[index % len(self.batches)]
+
+
+def padded_batch(lengths: list[int], width: int, vocab: int = 99) -> dict[str, torch.Tensor]:
+    """Right-padded rows of the given lengths (every real token a target), cut to ``width`` columns."""
+    input_ids = torch.randint(0, vocab, (len(lengths), width))
+    attention_mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": input_ids.masked_fill(attention_mask == 0, -100),
+    }
+
+
+def test_tokens_count_the_real_tokens_of_every_micro_batch(tmp_path, tiny_model):
+    """metrics.jsonl's tokens (and the final state's) are the non-padding tokens of every micro-batch seen,
+    whatever the batches' widths: here 3 + 5 + 2 + 8 = 18 real tokens per two micro-batches of 16 and 24 slots."""
+    batches = ListBatches([padded_batch([3, 5], width=8), padded_batch([2, 8, 1], width=8)])
+    per_cycle = 3 + 5 + 2 + 8 + 1
+    cfg = TrainConfig(output_dir=str(tmp_path), max_train_steps=6, logging_steps=2, eval_steps=None,
+                      checkpointing_steps=None, num_warmup_steps=0)  # fmt: skip
+    result = train(tiny_model(), batches, torch.randint(0, 99, (4, 8)), cfg, make_accelerator(cfg), show_progress=False)
+    logged = {r["step"]: r["tokens"] for r in read_metrics(tmp_path) if "train_loss" in r}
+    assert logged == {2: per_cycle, 4: 2 * per_cycle, 6: 3 * per_cycle}
+    assert result.state.tokens == 3 * per_cycle
 
 
 def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny_model, monkeypatch):
@@ -252,7 +288,9 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
 
 def folder_snapshot(folder: pathlib.Path) -> dict:
     """Every file under ``folder``: its bytes and modification time."""
-    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
+    }
 
 
 def test_rerunning_a_finished_run_leaves_it_as_it_was_and_more_steps_continue_it(tmp_path, text_files, capsys):

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EOS_TOKEN = "<|endoftext|>"
+IGNORE_INDEX = -100  # transformers' label for "no loss here"
 PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
 
 TextSplit = datasets.Dataset | datasets.IterableDataset
@@ -408,6 +409,25 @@ class StreamBatches:
                     f"The streamed training data holds fewer than {self.batch_size} blocks for this process: "
                     "lower the batch size or block_size, or give more text."
                 )
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens of a batch that are not padding: what ``tokens`` and ``tokens_per_s`` count.
+
+    Right-padded rows (an ``attention_mask``, ``sft_data.pad_examples``): the mask's ones. Packed rows
+    (``position_ids`` restarting at 0 for each example, ``sft_data.pack_examples``): all but the padding
+    that ends a row, the one sequence of a row without a single target (each packed example has one).
+    Blocks of text: every token.
+    """
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    input_ids = batch["input_ids"]
+    if "position_ids" not in batch:
+        return input_ids.numel()
+    sequence = (batch["position_ids"] == 0).cumsum(dim=1)  # (B, T): which packed sequence each token is in
+    last = sequence == sequence[:, -1:]  # (B, T): the tokens of each row's last sequence
+    last_is_padding = ~((batch["labels"] != IGNORE_INDEX) & last).any(dim=1)  # (B,)
+    return input_ids.numel() - int(last[last_is_padding].sum())
 
 
 def batched(rows: Iterable, n: int) -> Iterator[list]:

@@ -31,6 +31,7 @@ from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
 from .checkpointing import TrainState, list_checkpoints, load_checkpoint, read_state, save_checkpoint
+from .data import real_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -256,9 +257,6 @@ def train(
     state = load_checkpoint(accelerator, resume_from) if resume_from is not None else TrainState()
     metrics = MetricsLog(cfg.output_dir, accelerator, cfg.with_tracking, resume_step=state.step)
     micro_batches = batches.iterate(start=state.step * cfg.gradient_accumulation_steps)
-    first_batch = next(micro_batches)
-    tokens_per_step = first_batch["input_ids"].numel() * cfg.gradient_accumulation_steps * accelerator.num_processes
-    micro_batches = _prepend(first_batch, micro_batches)
 
     bar = tqdm(
         total=max_steps,
@@ -269,9 +267,12 @@ def train(
         disable=not (show_progress and accelerator.is_local_main_process),
     )
     # The training window since the last log: summed loss (a tensor: no per-step synchronisation),
-    # micro-batches, optimizer steps and training time (evaluations and checkpoints excluded).
+    # micro-batches, real (non-padding) tokens of all processes, optimizer steps and training time
+    # (evaluations and checkpoints excluded). This process's tokens are summed over processes only
+    # when something is logged or saved (`new_tokens` until then).
     window_loss = torch.zeros((), device=accelerator.device)
-    window_batches, window_steps, window_time = 0, 0, 0.0
+    window_batches, window_tokens, window_steps, window_time = 0, 0, 0, 0.0
+    new_tokens = 0
     train_loss = None
     run_start, elapsed_before = time.perf_counter(), state.elapsed_s
     elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
@@ -280,7 +281,9 @@ def train(
     model.train()
     while state.step < max_steps:
         for _ in range(cfg.gradient_accumulation_steps):
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in next(micro_batches).items()}
+            batch = next(micro_batches)
+            new_tokens += real_tokens(batch)  # counted on the CPU copy: no device synchronisation
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             with accelerator.accumulate(model):
                 loss = model(**batch, use_cache=False).loss
                 accelerator.backward(loss)
@@ -292,7 +295,6 @@ def train(
             window_batches += 1
         scheduler.step()
         state.step += 1
-        state.tokens += tokens_per_step
         window_steps += 1
         bar.update(1)
 
@@ -303,11 +305,13 @@ def train(
         if not (log_due or eval_due or checkpoint_due):
             continue
         window_time += time.perf_counter() - segment_start
+        new_tokens = int(accelerator.reduce(torch.tensor(new_tokens, device=accelerator.device), reduction="sum"))
+        state.tokens, window_tokens, new_tokens = state.tokens + new_tokens, window_tokens + new_tokens, 0
         if log_due or checkpoint_due:  # a checkpoint must never store a state whose loss went bad
             train_loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
             if not math.isfinite(train_loss):
                 raise non_finite_error(train_loss, state.step, cfg)
-            tokens_per_s = round(tokens_per_step * window_steps / max(window_time, 1e-9))
+            tokens_per_s = round(window_tokens / max(window_time, 1e-9))
             metrics.log(
                 {
                     "step": state.step,
@@ -320,7 +324,7 @@ def train(
             )
             bar.set_postfix(loss=f"{train_loss:.4f}", tokens_per_s=f"{tokens_per_s:,}", refresh=False)
             window_loss.zero_()
-            window_batches, window_steps, window_time = 0, 0, 0.0
+            window_batches, window_tokens, window_steps, window_time = 0, 0, 0, 0.0
         if eval_due:
             result = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator, cfg.max_eval_samples)
             metrics.log({"step": state.step, "tokens": state.tokens, **result, "elapsed_s": elapsed()})
@@ -349,11 +353,6 @@ def num_training_steps(cfg: TrainConfig, batches) -> int:
     if per_epoch is None:
         raise ValueError("These batches have no epoch length (a stream): set --max_train_steps.")
     return cfg.num_train_epochs * max(1, per_epoch // cfg.gradient_accumulation_steps)
-
-
-def _prepend(first, rest):
-    yield first
-    yield from rest
 
 
 def non_finite_error(loss: float, step: int, cfg: TrainConfig) -> NonFiniteLossError:

@@ -36,12 +36,10 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
-from .data import BlockBatches, block_tensor, load_splits, pack, prepare_data
+from .data import IGNORE_INDEX, BlockBatches, block_tensor, load_splits, pack, prepare_data
 from .finetune_args import FinetuneConfig
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100  # transformers' label for "no loss here"
 
 # The config fields naming the columns each format reads
 FORMAT_COLUMNS = {
