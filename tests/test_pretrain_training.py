@@ -6,6 +6,7 @@ process; the SIGKILL and the two-process runs are subprocesses with the same thr
 arithmetic is the same as in-process.
 """
 
+import copy
 import itertools
 import json
 import math
@@ -159,6 +160,38 @@ def test_tokens_count_the_real_tokens_of_every_micro_batch(tmp_path, tiny_model)
     logged = {r["step"]: r["tokens"] for r in read_metrics(tmp_path) if "train_loss" in r}
     assert logged == {2: per_cycle, 4: 2 * per_cycle, 6: 3 * per_cycle}
     assert result.state.tokens == 3 * per_cycle
+
+
+def test_an_accumulated_step_is_the_full_batch_step(tmp_path, tiny_model):
+    """Two micro-batches of 2 rows with 3 and 21 targets make the same optimizer step as one batch of the 4
+    rows: the loss is the mean over all 24 targets of the step (not the mean of the two micro-batches' means,
+    which weighs each of the 3 targets 7 times as much as each of the 21), and so are the gradients.
+
+    AdamW's first step is lr * g / (|g| + eps); with eps = 1e4 >> |g| and lr = eps it moves each weight by
+    -g (to 1e-4 relative), so equal weight updates mean equal gradients. Tolerance: float32 rounding of
+    the sums, done in another order (1e-5 of updates about 1e-2).
+    """
+    short, long = padded_batch([2, 3], width=12), padded_batch([12, 11], width=12)  # 1 + 2 and 11 + 10 targets
+    full = {name: torch.cat([short[name], long[name]]) for name in short}
+    settings = dict(max_train_steps=1, logging_steps=1, eval_steps=None, checkpointing_steps=None,
+                    num_warmup_steps=0, learning_rate=1e4, adam_epsilon=1e4, weight_decay=0.0, max_grad_norm=None)  # fmt: skip
+    model = tiny_model().train()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    logits = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits[:, :-1]
+    targets = full["labels"][:, 1:]
+    expected_loss = torch.nn.functional.cross_entropy(logits[targets != -100], targets[targets != -100]).item()
+
+    updates, losses = {}, {}
+    for name, batches, accumulation in (("accumulated", [short, long], 2), ("full", [full], 1)):
+        cfg = TrainConfig(output_dir=str(tmp_path / name), gradient_accumulation_steps=accumulation, **settings)
+        run = copy.deepcopy(model)
+        train(run, ListBatches(batches), full["input_ids"], cfg, make_accelerator(cfg), show_progress=False)
+        updates[name] = {n: p.detach() - initial[n] for n, p in run.named_parameters()}
+        losses[name] = [r["train_loss"] for r in read_metrics(tmp_path / name) if "train_loss" in r][0]
+    assert losses["accumulated"] == pytest.approx(expected_loss, rel=1e-5)
+    assert losses["full"] == pytest.approx(expected_loss, rel=1e-5)
+    for name, update in updates["full"].items():
+        torch.testing.assert_close(updates["accumulated"][name], update, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny_model, monkeypatch):

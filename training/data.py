@@ -411,6 +411,11 @@ class StreamBatches:
                 )
 
 
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The tokens a batch's loss is taken on: position t predicts ``labels[t + 1]``, unless that is -100."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     """The tokens of a batch that are not padding: what ``tokens`` and ``tokens_per_s`` count.
 

@@ -31,7 +31,7 @@ from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
 from .checkpointing import TrainState, list_checkpoints, load_checkpoint, read_state, save_checkpoint
-from .data import real_tokens
+from .data import count_targets, real_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def evaluate(
         batch = {name: x[start : start + batch_size].long().to(accelerator.device) for name, x in rows.items()}
         labels = batch.setdefault("labels", batch["input_ids"])
         loss = model(**batch, use_cache=False).loss  # mean over the predicted tokens of the batch
-        n_predicted = (labels[:, 1:] != -100).sum().double()  # position t predicts labels[t + 1]
+        n_predicted = count_targets(labels).double()
         # a batch with nothing to predict has loss 0/0 = nan and weight 0: it adds nothing
         totals += torch.stack([torch.where(n_predicted > 0, loss.double() * n_predicted, 0.0), n_predicted])
     totals = accelerator.reduce(totals, reduction="sum")
@@ -266,33 +266,39 @@ def train(
         dynamic_ncols=True,
         disable=not (show_progress and accelerator.is_local_main_process),
     )
-    # The training window since the last log: summed loss (a tensor: no per-step synchronisation),
-    # micro-batches, real (non-padding) tokens of all processes, optimizer steps and training time
-    # (evaluations and checkpoints excluded). This process's tokens are summed over processes only
-    # when something is logged or saved (`new_tokens` until then).
+    # The training window since the last log: summed loss (a tensor: no per-step synchronisation), real
+    # (non-padding) tokens of all processes, optimizer steps and training time (evaluations and checkpoints
+    # excluded). This process's tokens are summed over processes only when something is logged or saved
+    # (`new_tokens` until then).
     window_loss = torch.zeros((), device=accelerator.device)
-    window_batches, window_tokens, window_steps, window_time = 0, 0, 0, 0.0
+    window_tokens, window_steps, window_time = 0, 0, 0.0
     new_tokens = 0
     train_loss = None
     run_start, elapsed_before = time.perf_counter(), state.elapsed_s
     elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
     segment_start = time.perf_counter()
 
+    # A step's loss is the mean over every target of its micro-batches on every process (as transformers'
+    # Trainer does): each micro-batch's loss is its summed loss over that count (`num_items_in_batch`), so
+    # a short batch weighs as many targets as it has. Accelerate divides each loss by the accumulation steps
+    # and DDP averages the gradients over processes; `loss_scale` undoes both.
+    loss_scale = cfg.gradient_accumulation_steps * accelerator.num_processes
     model.train()
     while state.step < max_steps:
-        for _ in range(cfg.gradient_accumulation_steps):
-            batch = next(micro_batches)
+        step_batches = [next(micro_batches) for _ in range(cfg.gradient_accumulation_steps)]
+        targets = torch.stack([count_targets(batch["labels"]) for batch in step_batches]).sum()
+        num_items = accelerator.reduce(targets.to(accelerator.device), reduction="sum").clamp(min=1)  # all processes
+        for batch in step_batches:
             new_tokens += real_tokens(batch)  # counted on the CPU copy: no device synchronisation
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             with accelerator.accumulate(model):
-                loss = model(**batch, use_cache=False).loss
-                accelerator.backward(loss)
+                loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+                accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients and cfg.max_grad_norm is not None:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()  # Accelerate skips these until the last micro-batch of the step
                 optimizer.zero_grad(set_to_none=True)
-            window_loss += loss.detach()
-            window_batches += 1
+            window_loss += loss.detach()  # this process's share of the step's mean
         scheduler.step()
         state.step += 1
         window_steps += 1
@@ -308,7 +314,7 @@ def train(
         new_tokens = int(accelerator.reduce(torch.tensor(new_tokens, device=accelerator.device), reduction="sum"))
         state.tokens, window_tokens, new_tokens = state.tokens + new_tokens, window_tokens + new_tokens, 0
         if log_due or checkpoint_due:  # a checkpoint must never store a state whose loss went bad
-            train_loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
+            train_loss = accelerator.reduce(window_loss, reduction="sum").item() / window_steps  # mean per step
             if not math.isfinite(train_loss):
                 raise non_finite_error(train_loss, state.step, cfg)
             tokens_per_s = round(window_tokens / max(window_time, 1e-9))
@@ -324,7 +330,7 @@ def train(
             )
             bar.set_postfix(loss=f"{train_loss:.4f}", tokens_per_s=f"{tokens_per_s:,}", refresh=False)
             window_loss.zero_()
-            window_batches, window_tokens, window_steps, window_time = 0, 0, 0, 0.0
+            window_tokens, window_steps, window_time = 0, 0, 0.0
         if eval_due:
             result = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator, cfg.max_eval_samples)
             metrics.log({"step": state.step, "tokens": state.tokens, **result, "elapsed_s": elapsed()})
