@@ -33,7 +33,7 @@ from training.args import TrainConfig
 from training.checkpointing import git_commit, hardware_description, package_versions
 from training.data import BlockBatches, block_tensor, load_text_splits, pack, prepare_data
 from training.loop import METRICS_NAME, NonFiniteLossError, make_accelerator, train
-from training.pretrain import build_model
+from training.models import build_model
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "experiments" / "results"
@@ -251,13 +251,9 @@ class Run:
 
 
 def fresh_model(corpus: Corpus, model_fields: dict, seed: int) -> DecoderLabForCausalLM:
-    """``training.pretrain.build_model``'s model for ``model_fields`` and the corpus's vocabulary, seeded."""
-    cfg = dataclasses.replace(corpus.cfg, seed=seed)
-    # Set after construction: TrainConfig coerces command-line strings, and would read the string "none"
-    # (position_embedding_type="none") as None. These values are typed already; build_model validates them.
-    cfg.model = dict(model_fields)
+    """``training.models.build_model``'s model for ``model_fields`` and the corpus's vocabulary, seeded."""
     set_seed(seed)
-    return build_model(cfg, corpus.tokenizer)
+    return build_model(model_fields, corpus.tokenizer, corpus.cfg.block_size)
 
 
 def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict, recipe: Recipe) -> Run:

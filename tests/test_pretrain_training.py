@@ -345,6 +345,29 @@ def test_rerunning_a_finished_run_leaves_it_as_it_was_and_more_steps_continue_it
     assert json.loads((out / "step_30" / checkpointing.STATE_NAME).read_text())["tokens"] == 30 * 4 * 16
 
 
+def test_training_on_from_a_checkpoint_keeps_its_tokenizer(tmp_path, text_files):
+    """--model_name_or_path continues with the checkpoint's own tokenizer, so every token id keeps its meaning,
+    here on lower-case text, whose own character vocabulary would number the characters differently; a
+    checkpoint without a tokenizer is refused before anything is written."""
+    base, more, refused = tmp_path / "base", tmp_path / "more", tmp_path / "refused"
+    pretrain.main(tiny_argv(text_files, base, "--max_train_steps", "10"))
+    lower = []
+    for path in text_files:
+        lower.append(tmp_path / f"lower_{path.name}")
+        lower[-1].write_text(path.read_text().lower())
+    pretrain.main(tiny_argv(lower, more, "--max_train_steps", "10", "--model_name_or_path", str(base)))
+    assert AutoTokenizer.from_pretrained(more).get_vocab() == AutoTokenizer.from_pretrained(base).get_vocab()
+    assert train_losses(more)[5] < train_losses(base)[5] - 0.2  # the weights carry over too
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((base / name).read_bytes())
+    with pytest.raises(ValueError, match="has no tokenizer: none of tokenizer.json"):
+        pretrain.main(tiny_argv(lower, refused, "--max_train_steps", "10", "--model_name_or_path", str(bare)))
+    assert not refused.exists()
+
+
 @pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_losses(tmp_path, text_files):
     """A run killed with SIGKILL mid-training and resumed with --resume_from_checkpoint latest logs the same

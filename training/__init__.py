@@ -2,6 +2,8 @@
 
 - ``training.args``: the typed run configuration (``TrainConfig``), read from YAML plus command-line overrides.
 - ``training.data``: datasets, tokenizers, tokenize-once caching, packing into blocks, resumable batches.
+- ``training.models``: the model and tokenizer of a run: a fresh model, or a checkpoint with its own tokenizer,
+  checked against the tokenizer and the block size.
 - ``training.loop``: optimizer, schedule, the accumulation/clipping/mixed-precision loop, evaluation, logging.
 - ``training.checkpointing``: crash-safe Accelerate checkpoints, resume, and the final Hugging Face folder.
 - ``training.finetune_args``: ``FinetuneConfig``, the fine-tuning configuration (base checkpoint, data format, LoRA).

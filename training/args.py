@@ -72,7 +72,9 @@ class TrainConfig:
     bpe_vocab_size: int = option(8192, "vocabulary size of the trained byte-level BPE")
     tokenizer_train_texts: int = option(100_000, "most texts read to build a char/BPE vocabulary")
     # --- model
-    model_name_or_path: str | None = option(None, "start from these weights (Hub id or folder) instead of from scratch")
+    model_name_or_path: str | None = option(
+        None, "start from these weights (a decoderlab folder or Hub id) and its own tokenizer, instead of from scratch"
+    )
     model: dict = option({}, "DecoderLabConfig fields for a model trained from scratch (--model.FIELD VALUE)")
     # --- optimisation
     per_device_train_batch_size: int = option(12, "sequences per process per micro-batch")

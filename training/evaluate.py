@@ -28,9 +28,9 @@ from transformers import AutoModelForCausalLM
 import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
 from decoderlab.model_card import add_eval_results
 from training.data import load_files, load_named_dataset, too_short_error
-from training.finetune import load_base_tokenizer
 from training.finetune_args import DATA_FORMATS, OVERLONG_PROMPT, FinetuneConfig
 from training.loop import evaluate, make_accelerator, setup_script_logging
+from training.models import load_base_tokenizer
 from training.sft_data import rows_for_split, set_chat_template
 
 logger = logging.getLogger("training.evaluate")

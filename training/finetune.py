@@ -22,11 +22,10 @@ import logging
 import math
 import pathlib
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from decoderlab import DecoderLabConfig
 from decoderlab.model_card import public_dataset_name, write_model_card
@@ -35,81 +34,11 @@ from training.args import parse_config
 from training.checkpointing import hardware_description, resolve_checkpoint, run_info, save_final_folder
 from training.finetune_args import FinetuneConfig
 from training.loop import TrainResult, make_accelerator, setup_script_logging, train
+from training.models import load_base_model, load_base_tokenizer
 from training.pretrain import already_finished_message, summary
 from training.sft_data import prepare_finetune_data, set_chat_template
 
 logger = logging.getLogger("training.finetune")
-
-# Files that hold a vocabulary (tokenizer_config.json alone does not)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-# model_type -> the --from flag of decoderlab.convert
-CONVERTIBLE = {"llama": "llama", "gpt2": "gpt2", "gpt_neox": "neox"}
-
-
-# ----------------------------------------------------------------------------------------------
-# The base checkpoint
-
-
-def local_or_hub(name: str) -> str:
-    """An existing local folder as an absolute path (a saved adapter then finds its base from any directory)."""
-    path = pathlib.Path(name)
-    return str(path.resolve()) if path.is_dir() else name
-
-
-def load_base_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False):
-    """The tokenizer of a checkpoint folder or Hub id, or a ValueError saying it is missing and what to do."""
-    folder = pathlib.Path(name)
-    if folder.is_dir() and not any((folder / file).is_file() for file in TOKENIZER_FILES):
-        raise ValueError(
-            f"The checkpoint {name} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it (it holds "
-            f"{sorted(p.name for p in folder.iterdir())}). Save the tokenizer it was trained with into it "
-            "(tokenizer.save_pretrained), or pass --tokenizer_name with a tokenizer folder or Hub id."
-        )
-    try:
-        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"Could not load a tokenizer from {name!r} ({type(err).__name__}: {err}). Pass --tokenizer_name with "
-            "a folder holding tokenizer.json, or a Hub id (offline: a local folder)."
-        ) from err
-
-
-def load_base_model(
-    name: str, tokenizer: PreTrainedTokenizerBase, block_size: int, revision=None, trust_remote_code=False
-) -> PreTrainedModel:
-    """The decoderlab causal LM at ``name`` in float32 (mixed precision autocasts; AdamW keeps fp32 weights),
-    checked against the tokenizer and the block size before any training."""
-    try:
-        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"Could not load the base checkpoint {name!r} ({type(err).__name__}: {err}). Pass a folder holding "
-            "config.json and model.safetensors, or a Hub id (with --trust_remote_code where decoderlab is absent)."
-        ) from err
-    if config.model_type in CONVERTIBLE:
-        raise ValueError(
-            f"{name} is a {config.model_type} checkpoint. Convert it to decoderlab first, then fine-tune the result: "
-            f"python -m decoderlab.convert --from {CONVERTIBLE[config.model_type]} {name} out/{config.model_type}-dl"
-        )
-    if config.model_type != DecoderLabConfig.model_type:
-        raise ValueError(
-            f"{name} is a {config.model_type!r} checkpoint; finetune.py trains decoderlab models "
-            f"(and converts from {', '.join(CONVERTIBLE)} with python -m decoderlab.convert)."
-        )
-    if config.vocab_size < len(tokenizer):
-        raise ValueError(
-            f"The tokenizer has {len(tokenizer)} tokens but {name} embeds only vocab_size={config.vocab_size}: "
-            "it is not this model's tokenizer. Drop --tokenizer_name, or pass the one the model was trained with."
-        )
-    if config.position_embedding_type in ("learned", "sinusoidal") and config.max_position_embeddings < block_size:
-        raise ValueError(
-            f"block_size={block_size} is longer than the {config.max_position_embeddings} positions of {name}'s "
-            f"{config.position_embedding_type} position table. Lower --block_size to at most that."
-        )
-    return AutoModelForCausalLM.from_pretrained(
-        local_or_hub(name), config=config, revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32
-    )
-
 
 def lora_targets(model: nn.Module) -> list[str]:
     """Names (last part) of the layers LoRA can adapt: linear layers and token embeddings."""
