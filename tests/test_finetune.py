@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from test_pretrain_training import (  # the pretraining tests' helpers, shared
     _one_thread,  # noqa: F401  (autouse: one thread here and in the subprocess, the same arithmetic)
     final_eval_loss,
+    folder_snapshot,
     kill_when_saved,
     subprocess_env,
     train_losses,
@@ -135,6 +136,21 @@ def test_finetuning_lowers_validation_loss_and_leaves_a_complete_checkpoint(tmp_
         f"{speech_data.name}/prompt_completion_validation.jsonl"
     }
     assert "prompt_completion_train.jsonl" in card.text and str(tmp_path) not in card.content
+
+
+def test_rerunning_a_finished_fine_tuning_run_leaves_it_as_it_was(tmp_path, base_checkpoint, speech_data, capsys):
+    """The same LoRA (merged) command again with --resume_from_checkpoint latest says it is already finished and
+    rewrites nothing: not the merged weights, the adapter folder, the card or the metrics."""
+    out = tmp_path / "out"
+    argv = finetune_argv(base_checkpoint, speech_data, "chat", out, "--max_train_steps", "10", "--use_lora",
+                         "--merge_lora", "--resume_from_checkpoint", "latest")  # fmt: skip
+    finetune.main(argv)
+    finished = folder_snapshot(out)
+    assert "adapter/adapter_model.safetensors" in finished and "README.md" in finished
+    capsys.readouterr()
+    finetune.main(argv)
+    assert "already finished at step 10" in capsys.readouterr().out
+    assert folder_snapshot(out) == finished
 
 
 def test_lora_trains_only_adapters_and_the_merged_model_equals_base_plus_adapter(

@@ -6,6 +6,7 @@
   checked against the tokenizer and the block size.
 - ``training.loop``: optimizer, schedule, the accumulation/clipping/mixed-precision loop, evaluation, logging.
 - ``training.checkpointing``: crash-safe Accelerate checkpoints, resume, and the final Hugging Face folder.
+- ``training.finish``: the end of every training script: the final folder, the model card, the summary, the upload.
 - ``training.finetune_args``: ``FinetuneConfig``, the fine-tuning configuration (base checkpoint, data format, LoRA).
 - ``training.sft_data``: fine-tuning data: prompt/completion and chat examples with completion-only labels,
   packed (examples kept apart) or padded.

@@ -19,7 +19,6 @@ weights and keeps the adapter in ``output_dir/adapter``.
 """
 
 import logging
-import math
 import pathlib
 
 from accelerate import Accelerator
@@ -28,17 +27,17 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from decoderlab import DecoderLabConfig
-from decoderlab.model_card import public_dataset_name, write_model_card
-from decoderlab.push import push_to_hub
+from decoderlab.model_card import public_dataset_name
 from training.args import parse_config
-from training.checkpointing import hardware_description, resolve_checkpoint, run_info, save_final_folder
+from training.checkpointing import resolve_checkpoint
 from training.finetune_args import FinetuneConfig
-from training.loop import TrainResult, make_accelerator, setup_script_logging, train
+from training.finish import finish_run
+from training.loop import make_accelerator, setup_script_logging, train
 from training.models import load_base_model, load_base_tokenizer
-from training.pretrain import already_finished_message, summary
 from training.sft_data import prepare_finetune_data, set_chat_template
 
 logger = logging.getLogger("training.finetune")
+
 
 def lora_targets(model: nn.Module) -> list[str]:
     """Names (last part) of the layers LoRA can adapt: linear layers and token embeddings."""
@@ -72,15 +71,15 @@ def apply_lora(model: PreTrainedModel, cfg: FinetuneConfig):
 # The output
 
 
-def save_output(accelerator: Accelerator, result: TrainResult, tokenizer, cfg: FinetuneConfig, info: dict) -> None:
-    """The final folder: full weights (full fine-tuning, or LoRA merged), or the LoRA adapter alone."""
-    model = result.model
-    if cfg.use_lora and cfg.merge_lora:
-        adapter = accelerator.unwrap_model(model)
-        if accelerator.is_main_process:
-            adapter.save_pretrained(pathlib.Path(cfg.output_dir) / "adapter")
-        model = adapter.merge_and_unload()  # W + (alpha / r) B A in every adapted layer, adapters removed
-    save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
+def final_model(accelerator: Accelerator, model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
+    """What the output folder holds: every weight (full fine-tuning, or LoRA merged into them; the adapter
+    is then kept in ``output_dir/adapter``), or the LoRA adapter alone."""
+    if not (cfg.use_lora and cfg.merge_lora):
+        return model
+    adapter = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        adapter.save_pretrained(pathlib.Path(cfg.output_dir) / "adapter")
+    return adapter.merge_and_unload()  # W + (alpha / r) B A in every adapted layer, adapters removed
 
 
 def method(cfg: FinetuneConfig) -> str:
@@ -113,44 +112,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     result = train(model, batches, eval_rows, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
-    if result.already_finished:
-        if accelerator.is_main_process:
-            print(already_finished_message(result, cfg))
-        return
-
-    save_output(accelerator, result, tokenizer, cfg, run_info(accelerator))
-    accelerator.end_training()
-    if not accelerator.is_main_process:
-        return
-    dataset = cfg.train_file or cfg.dataset_name
-    eval_loss = result.eval_metrics["eval_loss"]
-    training = summary(cfg, result, hardware_description(accelerator), accelerator.num_processes)
-    training.update(tokenizer="the base model's", data_format=cfg.data_format, method=method(cfg))
     adapter_only = cfg.use_lora and not cfg.merge_lora
-    write_model_card(
-        cfg.output_dir,
-        dataset=dataset,
+    scored = {"text": "tokens", "prompt_completion": "completion tokens", "chat": "assistant tokens"}[cfg.data_format]
+    finish_run(
+        accelerator,
+        result,
+        tokenizer,
+        cfg,
+        verb="Fine-tuned",
+        scored=f"validation {scored}",
+        next_step=f"Load it with AutoModelForCausalLM.from_pretrained({cfg.output_dir!r})"
+        + (" (peft installed: the adapter is applied to its base model)." if adapter_only else "."),
+        final_model=lambda model: final_model(accelerator, model, cfg),
+        training={"tokenizer": "the base model's", "data_format": cfg.data_format, "method": method(cfg)},
         base_model=public_dataset_name(cfg.model_name_or_path),  # a Hub id as is; a local folder by its name only
-        training=training,
-        eval_results={
-            "eval_loss": eval_loss,
-            "perplexity": math.exp(eval_loss),
-            "dataset": cfg.validation_file or dataset,
-            # a file is a split of its own (as training/evaluate.py records it, so a later run replaces this one)
-            **({} if cfg.validation_file else {"split": cfg.validation_split_name}),
-        },
         config=base_config if adapter_only else None,
     )
-    scored = {"text": "tokens", "prompt_completion": "completion tokens", "chat": "assistant tokens"}[cfg.data_format]
-    print(
-        f"Fine-tuned {result.state.step} steps ({method(cfg)}): train loss {result.train_loss:.4f}, validation loss "
-        f"{eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f}) over the validation {scored}.\n"
-        f"Saved to {cfg.output_dir}. Load it with AutoModelForCausalLM.from_pretrained({cfg.output_dir!r})"
-        + (" (peft installed: the adapter is applied to its base model)." if adapter_only else ".")
-    )
-    if cfg.push_to_hub:
-        url = push_to_hub(cfg.output_dir, cfg.hub_model_id, commit_message=f"Fine-tuned {result.state.step} steps")
-        print(f"Pushed {cfg.output_dir} to {url}")
 
 
 if __name__ == "__main__":

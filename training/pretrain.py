@@ -11,16 +11,14 @@ prints a sample. Every field of ``training.args.TrainConfig`` is a flag (``--hel
 """
 
 import logging
-import math
 
 from accelerate.utils import set_seed
 
-from decoderlab.model_card import write_model_card
-from decoderlab.push import push_to_hub
 from training.args import TrainConfig, parse_config
-from training.checkpointing import TrainState, hardware_description, resolve_checkpoint, run_info, save_final_folder
+from training.checkpointing import resolve_checkpoint
 from training.data import prepare_data
-from training.loop import TrainResult, make_accelerator, setup_script_logging, train
+from training.finish import finish_run
+from training.loop import make_accelerator, setup_script_logging, train
 from training.models import build_model, load_base_model, load_base_tokenizer, set_sampling_defaults
 
 logger = logging.getLogger("training.pretrain")
@@ -34,34 +32,10 @@ def start_tokenizer(cfg: TrainConfig):
         return load_base_tokenizer(cfg.tokenizer_name)
     logger.info(f"Using the tokenizer of {cfg.model_name_or_path} (tokenizer_type={cfg.tokenizer_type!r} is not used).")
     if cfg.model:
-        logger.info(f"The architecture is {cfg.model_name_or_path}'s; the model fields {sorted(cfg.model)} are not used.")
+        logger.info(
+            f"The architecture is {cfg.model_name_or_path}'s; the model fields {sorted(cfg.model)} are not used."
+        )
     return load_base_tokenizer(cfg.model_name_or_path)
-
-
-def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes: int) -> dict:
-    """The recipe as the model card shows it."""
-    state: TrainState = result.state
-    return {
-        "steps": state.step,
-        "tokens": state.tokens,
-        "batch_size": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes,
-        "block_size": cfg.block_size,
-        "learning_rate": cfg.learning_rate,
-        "precision": "fp32" if cfg.mixed_precision == "no" else f"{cfg.mixed_precision} autocast",
-        "hardware": hardware,
-        "wall_time_s": round(state.elapsed_s, 1),
-        "final_train_loss": result.train_loss,
-        "final_eval_loss": result.eval_metrics["eval_loss"],
-        "tokenizer": cfg.tokenizer_type if cfg.tokenizer_type != "pretrained" else cfg.tokenizer_name,
-        "prompt": cfg.sample_prompt,
-    }
-
-
-def already_finished_message(result: TrainResult, cfg: TrainConfig) -> str:
-    return (
-        f"{cfg.output_dir}: already finished at step {result.state.step} (max_train_steps={cfg.max_train_steps}), "
-        "nothing to do; the folder is left as it was. Raise --max_train_steps to train on from there."
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,39 +59,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{accelerator.num_processes} process(es) on {accelerator.device}, {len(eval_blocks)} validation blocks"
     )
     result = train(model, batches, eval_blocks, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
-    if result.already_finished:
-        if accelerator.is_main_process:
-            print(already_finished_message(result, cfg))
-        return
-
-    info = run_info(accelerator)
-    save_final_folder(accelerator, result.model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
-    accelerator.end_training()
-    if not accelerator.is_main_process:
-        return
-    dataset = cfg.train_file or cfg.dataset_name
-    eval_loss = result.eval_metrics["eval_loss"]
-    write_model_card(
-        cfg.output_dir,
-        dataset=dataset,
-        training=summary(cfg, result, hardware_description(accelerator), accelerator.num_processes),
-        eval_results={
-            "eval_loss": eval_loss,
-            "perplexity": math.exp(eval_loss),
-            "dataset": dataset,
-            "split": "validation",
-        },
-    )
-    print(
-        f"Trained {result.state.step} steps ({result.state.tokens:,} tokens) in {result.state.elapsed_s:.1f} s: "
-        f"train loss {result.train_loss:.4f}, validation loss {eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f}) "
-        f"over all {len(eval_blocks)} validation blocks.\n"
-        f"Saved to {cfg.output_dir}. Sample from it: python training/generate.py {cfg.output_dir} --prompt "
-        f"{cfg.sample_prompt!r}"
-    )
-    if cfg.push_to_hub:
-        url = push_to_hub(cfg.output_dir, cfg.hub_model_id, commit_message=f"Pretrained {result.state.step} steps")
-        print(f"Pushed {cfg.output_dir} to {url}")
+    finish_run(
+        accelerator, result, tokenizer, cfg, verb="Pretrained", scored=f"{len(eval_blocks)} validation blocks",
+        next_step=f"Sample from it: python training/generate.py {cfg.output_dir} --prompt {cfg.sample_prompt!r}",
+        training={} if cfg.model_name_or_path is None else {"tokenizer": f"{cfg.model_name_or_path}'s"},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
