@@ -36,9 +36,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
 from benchmarks.reference_nanogpt import load_char_data, windowed_val_loss
+from training.data import tiny_shakespeare
+from training.loop import METRICS_NAME, read_metrics
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-LOCAL_DATASET = REPO_ROOT / ".." / "shared" / "data" / "tiny_shakespeare"
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
 BLOCK_SIZE = 64
 
@@ -55,7 +56,7 @@ def run_ours(dataset: str, output_dir: pathlib.Path, threads: int, extra: list[s
     start = time.perf_counter()
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
     process_time = time.perf_counter() - start
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(output_dir / METRICS_NAME)
     last_train = [r for r in records if "train_loss" in r][-1]
     return {"steps": last_train["step"], "wall_time_s": last_train["elapsed_s"], "process_time_s": process_time}
 
@@ -89,7 +90,7 @@ def main() -> None:
     parser.add_argument("--json_out", type=pathlib.Path, default=None, help="also write the results here")
     parser.add_argument("pretrain_args", nargs="*", help="extra pretrain.py flags, after --")
     args = parser.parse_args()
-    dataset = args.dataset_name or (str(LOCAL_DATASET) if LOCAL_DATASET.is_dir() else "karpathy/tiny_shakespeare")
+    dataset = args.dataset_name or tiny_shakespeare()
 
     print(f"load average before: {load_average()}")
     with tempfile.TemporaryDirectory(prefix="decoderlab-bench-") as tmp:

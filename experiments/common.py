@@ -31,15 +31,12 @@ from decoderlab import DecoderLabForCausalLM
 from decoderlab.modeling_decoderlab import eager_attention_forward, repeat_kv
 from training.args import TrainConfig
 from training.checkpointing import git_commit, hardware_description, package_versions
-from training.data import BlockBatches, block_tensor, load_text_splits, pack, prepare_data
-from training.loop import METRICS_NAME, NonFiniteLossError, make_accelerator, train
+from training.data import BlockBatches, block_tensor, load_text_splits, pack, prepare_data, tiny_shakespeare
+from training.loop import NonFiniteLossError, make_accelerator, train
 from training.models import build_model
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "experiments" / "results"
-# The offline copy sits beside the checkout; the Hub id is used when it is absent (as `make demo` does).
-LOCAL_DATASET = "../shared/data/tiny_shakespeare"
-HUB_DATASET = "karpathy/tiny_shakespeare"
 DPI = 80  # small PNGs: the committed results stay well under 1 MB
 
 
@@ -58,7 +55,8 @@ def parse_args(
     parser.add_argument(
         "--dataset_name",
         default=None,
-        help=f"Hub dataset id or local Hub-layout folder (default: {LOCAL_DATASET} when present, else {HUB_DATASET})",
+        help="Hub dataset id or local Hub-layout folder (default: ../shared/data/tiny_shakespeare when present, "
+        "else karpathy/tiny_shakespeare)",
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: a GPU if present")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -166,10 +164,7 @@ def run_experiment(name: str, doc: str, default, quick, run: typing.Callable, ar
 
 
 def dataset_name(args: argparse.Namespace) -> str:
-    if args.dataset_name is not None:
-        return args.dataset_name
-    local = REPO_ROOT / LOCAL_DATASET
-    return str(local) if local.is_dir() else HUB_DATASET
+    return args.dataset_name if args.dataset_name is not None else tiny_shakespeare()
 
 
 @dataclass
@@ -284,10 +279,10 @@ def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict,
     diverged_by = None
     try:
         result = train(model, batches, corpus.eval_blocks, cfg, accelerator, show_progress=False)
-        model = accelerator.unwrap_model(result.model)
-    except NonFiniteLossError:
+        model, records = accelerator.unwrap_model(result.model), result.history
+    except NonFiniteLossError as diverged:
         model = accelerator.unwrap_model(model)  # train() wraps in place on one process; no-op otherwise
-    records = [json.loads(line) for line in (pathlib.Path(cfg.output_dir) / METRICS_NAME).read_text().splitlines()]
+        records = diverged.history
     train_curve = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
     eval_curve = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     if not eval_curve or eval_curve[-1][0] != recipe.steps:  # no final evaluation: the loop stopped early

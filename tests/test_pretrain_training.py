@@ -28,7 +28,15 @@ from training import checkpointing, pretrain
 from training.args import TrainConfig, parse_config
 from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint, save_final_folder
 from training.data import BlockBatches, train_char_tokenizer
-from training.loop import NonFiniteLossError, evaluate, make_accelerator, param_groups, train
+from training.loop import (
+    METRICS_NAME,
+    NonFiniteLossError,
+    evaluate,
+    make_accelerator,
+    param_groups,
+    read_metrics,
+    train,
+)
 
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
 TINY_MODEL = ["--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "2"]
@@ -65,16 +73,16 @@ def tiny_argv(text_files, output_dir, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def read_metrics(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (pathlib.Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+def metrics(output_dir) -> list[dict]:
+    return read_metrics(pathlib.Path(output_dir) / METRICS_NAME)
 
 
 def train_losses(output_dir) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in read_metrics(output_dir) if "train_loss" in r}
+    return {r["step"]: r["train_loss"] for r in metrics(output_dir) if "train_loss" in r}
 
 
 def final_eval_loss(output_dir) -> float:
-    return [r["eval_loss"] for r in read_metrics(output_dir) if "eval_loss" in r][-1]
+    return [r["eval_loss"] for r in metrics(output_dir) if "eval_loss" in r][-1]
 
 
 def subprocess_env() -> dict:
@@ -157,9 +165,10 @@ def test_tokens_count_the_real_tokens_of_every_micro_batch(tmp_path, tiny_model)
     cfg = TrainConfig(output_dir=str(tmp_path), max_train_steps=6, logging_steps=2, eval_steps=None,
                       checkpointing_steps=None, num_warmup_steps=0)  # fmt: skip
     result = train(tiny_model(), batches, torch.randint(0, 99, (4, 8)), cfg, make_accelerator(cfg), show_progress=False)
-    logged = {r["step"]: r["tokens"] for r in read_metrics(tmp_path) if "train_loss" in r}
+    logged = {r["step"]: r["tokens"] for r in metrics(tmp_path) if "train_loss" in r}
     assert logged == {2: per_cycle, 4: 2 * per_cycle, 6: 3 * per_cycle}
     assert result.state.tokens == 3 * per_cycle
+    assert result.history == metrics(tmp_path)  # the run's records, without reading the file back
 
 
 def test_an_accumulated_step_is_the_full_batch_step(tmp_path, tiny_model):
@@ -187,7 +196,7 @@ def test_an_accumulated_step_is_the_full_batch_step(tmp_path, tiny_model):
         run = copy.deepcopy(model)
         train(run, ListBatches(batches), full["input_ids"], cfg, make_accelerator(cfg), show_progress=False)
         updates[name] = {n: p.detach() - initial[n] for n, p in run.named_parameters()}
-        losses[name] = [r["train_loss"] for r in read_metrics(tmp_path / name) if "train_loss" in r][0]
+        losses[name] = [r["train_loss"] for r in metrics(tmp_path / name) if "train_loss" in r][0]
     assert losses["accumulated"] == pytest.approx(expected_loss, rel=1e-5)
     assert losses["full"] == pytest.approx(expected_loss, rel=1e-5)
     for name, update in updates["full"].items():
@@ -259,6 +268,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tex
     message = str(info.value)
     assert "The training loss is nan at step 30" in message
     assert "step_20, is intact" in message and "--learning_rate" in message
+    assert [r["step"] for r in info.value.history if "train_loss" in r] == [5, 10, 15, 20, 25]  # up to the last good
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_10", "step_20"]
     assert not list(tmp_path.glob("*.tmp"))
     from safetensors.torch import load_file
@@ -279,7 +289,7 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
     out = tmp_path / "run"
     pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "60"))
     losses = train_losses(out)
-    evals = [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]  # steps 20, 40 and the final one
+    evals = [r["eval_loss"] for r in metrics(out) if "eval_loss" in r]  # steps 20, 40 and the final one
     assert losses[60] < losses[5] - 0.5  # from about ln(65) = 4.2
     assert evals[0] > evals[1] > evals[2]
 
@@ -341,7 +351,7 @@ def test_rerunning_a_finished_run_leaves_it_as_it_was_and_more_steps_continue_it
     assert folder_snapshot(out) == finished
 
     pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "30", "--resume_from_checkpoint", "latest"))
-    assert sorted(train_losses(out)) == [5, 10, 15, 20, 25, 30]
+    assert sorted(train_losses(out)) == [5, 10, 15, 20, 25, 30]  # the first run's records are kept
     assert json.loads((out / "step_30" / checkpointing.STATE_NAME).read_text())["tokens"] == 30 * 4 * 16
 
 

@@ -43,9 +43,19 @@ PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes w
 
 TextSplit = datasets.Dataset | datasets.IterableDataset
 
+# Tiny Shakespeare, the default recipe's data: a Hub-layout copy beside the checkout, or the Hub's
+TINY_SHAKESPEARE_LOCAL = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tiny_shakespeare"
+TINY_SHAKESPEARE_HUB = "karpathy/tiny_shakespeare"
+
 
 # ----------------------------------------------------------------------------------------------
 # 1. Loading
+
+
+def tiny_shakespeare() -> str:
+    """Where Tiny Shakespeare is read from: the offline copy when it sits beside the checkout
+    (``../shared/data/tiny_shakespeare``, as ``make demo`` reads it), else the Hub dataset id."""
+    return str(TINY_SHAKESPEARE_LOCAL) if TINY_SHAKESPEARE_LOCAL.is_dir() else TINY_SHAKESPEARE_HUB
 
 
 def load_text_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:

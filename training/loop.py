@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from decoderlab.model_card import METRICS_NAME, read_metrics  # the file's one reader (the card reads it too)
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
@@ -35,11 +36,16 @@ from .data import count_targets, real_tokens
 
 logger = logging.getLogger(__name__)
 
-METRICS_NAME = "metrics.jsonl"
-
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the run stopped without saving the damaged state."""
+    """The training loss became NaN or infinite; the run stopped without saving the damaged state.
+
+    ``history`` holds the metrics records logged before it (as ``TrainResult.history`` would).
+    """
+
+    def __init__(self, message: str, history: list[dict] | None = None):
+        super().__init__(message)
+        self.history = history if history is not None else []
 
 
 def make_accelerator(cfg: TrainConfig, cpu: bool = False) -> Accelerator:
@@ -163,7 +169,8 @@ def evaluate(
 
 
 class MetricsLog:
-    """``metrics.jsonl`` in the output folder (one JSON object per line) plus Accelerate's trackers.
+    """``metrics.jsonl`` in the output folder (one JSON object per line, read back by ``read_metrics``), the
+    same records in memory (``records``, on every process), and Accelerate's trackers.
 
     On resume, records after the resumed step are dropped: the resumed run writes them again.
     """
@@ -171,14 +178,16 @@ class MetricsLog:
     def __init__(self, output_dir, accelerator: Accelerator, with_tracking: bool, resume_step: int = 0):
         self.accelerator, self.with_tracking = accelerator, with_tracking
         self.path = pathlib.Path(output_dir) / METRICS_NAME
+        self.records: list[dict] = []
+        if resume_step and self.path.is_file():
+            self.records = [record for record in read_metrics(self.path) if record["step"] <= resume_step]
+        accelerator.wait_for_everyone()  # every process has read the file before the main one rewrites it
         if accelerator.is_main_process:
-            kept = []
-            if resume_step and self.path.is_file():
-                kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("".join(line + "\n" for line in kept))
+            self.path.write_text("".join(json.dumps(record) + "\n" for record in self.records))
 
     def log(self, record: dict) -> None:
+        self.records.append(record)
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -211,6 +220,7 @@ class TrainResult:
     train_loss: float | None  # mean of the last logging window
     eval_metrics: dict = field(default_factory=dict)  # the final evaluation over every validation block
     already_finished: bool = False  # resumed from a checkpoint at or past max_train_steps: nothing was run
+    history: list[dict] = field(default_factory=list)  # every record of metrics.jsonl, the resumed run's before
 
 
 def train(
@@ -316,7 +326,7 @@ def train(
         if log_due or checkpoint_due:  # a checkpoint must never store a state whose loss went bad
             train_loss = accelerator.reduce(window_loss, reduction="sum").item() / window_steps  # mean per step
             if not math.isfinite(train_loss):
-                raise non_finite_error(train_loss, state.step, cfg)
+                raise non_finite_error(train_loss, state.step, cfg, metrics.records)
             tokens_per_s = round(window_tokens / max(window_time, 1e-9))
             metrics.log(
                 {
@@ -348,7 +358,7 @@ def train(
 
     final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
     metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed()})
-    return TrainResult(model, state, train_loss, final)
+    return TrainResult(model, state, train_loss, final, history=metrics.records)
 
 
 def num_training_steps(cfg: TrainConfig, batches) -> int:
@@ -361,7 +371,7 @@ def num_training_steps(cfg: TrainConfig, batches) -> int:
     return cfg.num_train_epochs * max(1, per_epoch // cfg.gradient_accumulation_steps)
 
 
-def non_finite_error(loss: float, step: int, cfg: TrainConfig) -> NonFiniteLossError:
+def non_finite_error(loss: float, step: int, cfg: TrainConfig, history: list[dict]) -> NonFiniteLossError:
     checkpoints = list_checkpoints(cfg.output_dir)
     last_good = (
         f"The last good checkpoint, {checkpoints[-1]}, is intact (nothing was saved after the loss went bad)."
@@ -372,5 +382,6 @@ def non_finite_error(loss: float, step: int, cfg: TrainConfig) -> NonFiniteLossE
         f"The training loss is {loss} at step {step}: training diverged, so the run stopped. {last_good} "
         f"Lower --learning_rate (now {cfg.learning_rate}), lengthen --num_warmup_steps (now {cfg.num_warmup_steps}) "
         f"or lower --max_grad_norm (now {cfg.max_grad_norm}), and start again, or resume from that checkpoint "
-        "with --resume_from_checkpoint latest to retry from there."
+        "with --resume_from_checkpoint latest to retry from there.",
+        history,
     )

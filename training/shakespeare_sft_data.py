@@ -19,7 +19,7 @@ import json
 import pathlib
 
 from training.args import TrainConfig
-from training.data import load_named_dataset
+from training.data import load_named_dataset, tiny_shakespeare
 
 DATA_FORMATS = ("prompt_completion", "chat")
 
@@ -60,7 +60,11 @@ def write_speech_data(texts: dict[str, str], output_dir) -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write speaker -> first-line fine-tuning data from Tiny Shakespeare.")
-    parser.add_argument("--dataset_name", default="../shared/data/tiny_shakespeare", help="Hub id or local folder")
+    parser.add_argument(
+        "--dataset_name",
+        default=tiny_shakespeare(),
+        help="Hub id or local folder (default: the copy beside the checkout, else the Hub's)",
+    )
     parser.add_argument("--output_dir", default="out/data/shakespeare_speeches")
     args = parser.parse_args(argv)
     splits = load_named_dataset(TrainConfig(dataset_name=args.dataset_name))  # its clear error when not found
