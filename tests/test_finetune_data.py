@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from tests.paths import INPUT_TXT
 from training.data import real_tokens, train_char_tokenizer
-from training.finetune_args import FinetuneConfig
 from training.sft_data import (
     DEFAULT_CHAT_TEMPLATE,
     IGNORE_INDEX,
+    ExampleFormat,
     TrimmedBatches,
     check_columns,
     fit_examples,
@@ -29,8 +29,8 @@ def char_tokenizer():
     return train_char_tokenizer([INPUT_TXT.read_text(encoding="utf-8")])
 
 
-def config(**overrides) -> FinetuneConfig:
-    return FinetuneConfig(**{"model_name_or_path": "base", "dataset_name": "data", **overrides})
+def config(**overrides) -> ExampleFormat:
+    return ExampleFormat(**overrides)
 
 
 def trained_positions(labels: list[int]) -> list[int]:

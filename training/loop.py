@@ -48,15 +48,19 @@ class NonFiniteLossError(RuntimeError):
         self.history = history if history is not None else []
 
 
-def make_accelerator(cfg: TrainConfig, cpu: bool = False) -> Accelerator:
-    """The Accelerator every script uses: accumulation, mixed precision and trackers from ``cfg``.
+def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accelerator:
+    """The Accelerator every script uses: accumulation, mixed precision and trackers from ``cfg`` (none of
+    them without one: evaluation).
 
     ``cpu=True`` on machines without an accelerator: Accelerate only turns processes started by
     ``torchrun`` into gloo data-parallel ranks when told it runs on CPU; otherwise each process would
     silently train its own copy of the model. ``cpu=True`` also forces the CPU where there is a GPU.
     """
+    cpu = cpu or not torch.accelerator.is_available()
+    if cfg is None:
+        return Accelerator(cpu=cpu)
     return Accelerator(
-        cpu=cpu or not torch.accelerator.is_available(),
+        cpu=cpu,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
         log_with=[name.strip() for name in cfg.report_to.split(",")] if cfg.with_tracking else None,
