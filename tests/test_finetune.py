@@ -113,7 +113,8 @@ def test_finetuning_lowers_validation_loss_and_leaves_a_complete_checkpoint(tmp_
     evaluate.py before and after); the output loads with the Auto classes, reproduces that loss, keeps the
     base's tokenizer, records its configuration, and its card names the base model and the dataset."""
     validation = str(speech_data / "prompt_completion_validation.jsonl")
-    measure = ["--data_file", validation, "--data_format", "prompt_completion", "--block_size", "96", "--model_card", "false"]
+    measure = ["--data_file", validation, "--data_format", "prompt_completion", "--block_size", "96",
+               "--model_card", "false"]  # fmt: skip
     before = evaluate.main([str(base_checkpoint), *measure, "--output_file", str(tmp_path / "before.json")])
     out = tmp_path / "out"
     finetune.main(finetune_argv(base_checkpoint, speech_data, "prompt_completion", out, "--max_train_steps", "60"))

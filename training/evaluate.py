@@ -42,7 +42,9 @@ RESULTS_NAME = "eval_results.json"
 class EvalConfig(Config):
     """Loss and perplexity of a checkpoint on a dataset split."""
 
-    checkpoint: str = option(help="folder or Hub id of a saved model (or LoRA adapter) with its tokenizer", positional=True)
+    checkpoint: str = option(
+        help="folder or Hub id of a saved model (or LoRA adapter) with its tokenizer", positional=True
+    )
     # --- data
     dataset_name: str | None = option(None, "Hub dataset id, or a local folder laid out like a Hub dataset")
     dataset_config_name: str | None = option(None, "dataset configuration (subset)")

@@ -317,9 +317,7 @@ def pad_examples(examples: list[tuple[list, list]], block_size: int, pad_id: int
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def example_rows(
-    examples: datasets.Dataset, tokenizer, fmt: ExampleFormat, split_name: str
-) -> dict[str, torch.Tensor]:
+def example_rows(examples: datasets.Dataset, tokenizer, fmt: ExampleFormat, split_name: str) -> dict[str, torch.Tensor]:
     """Tokenized examples fitted to the block, then packed or padded as ``fmt.packing`` says."""
     fitted = fit_examples(examples, fmt, split_name)
     arrange = pack_examples if fmt.packing else pad_examples
@@ -366,7 +364,10 @@ def prepare_finetune_data(cfg: FinetuneConfig, accelerator: Accelerator, tokeniz
     if cfg.data_format == "text" and cfg.packing:
         _, batches, eval_blocks = prepare_data(cfg, accelerator, tokenizer=tokenizer)
         return batches, eval_blocks
-    fmt, cache = ExampleFormat.of(cfg), dict(overwrite_cache=cfg.overwrite_cache, num_proc=cfg.preprocessing_num_workers)
+    fmt, cache = (
+        ExampleFormat.of(cfg),
+        dict(overwrite_cache=cfg.overwrite_cache, num_proc=cfg.preprocessing_num_workers),
+    )
     with accelerator.main_process_first():
         train, validation = load_splits(cfg)
         check_columns(train, fmt, "train")

@@ -62,7 +62,9 @@ def write_speech_data(texts: dict[str, str], output_dir) -> pathlib.Path:
 class SpeechDataConfig(Config):
     """Write speaker -> first-line fine-tuning data from Tiny Shakespeare."""
 
-    dataset_name: str | None = option(None, "Hub id or local folder (default: the copy beside the checkout, else the Hub's)")
+    dataset_name: str | None = option(
+        None, "Hub id or local folder (default: the copy beside the checkout, else the Hub's)"
+    )
     output_dir: str = option("out/data/shakespeare_speeches", "where the .jsonl files go")
 
 
