@@ -1,6 +1,7 @@
-# Two entry points, each doing its own set-up on a fresh clone:
-#   make demo   pretrain the default recipe on Tiny Shakespeare, then generate from the result
-#   make test   run the test suite
+# Entry points, each doing its own set-up on a fresh clone:
+#   make demo       pretrain the default recipe on Tiny Shakespeare, then generate from the result
+#   make test       the fast tests: everything not marked slow (the inner loop)
+#   make test-all   every test, the slow ones too (whole training runs, subprocesses, the Hub mirror): CI's
 # Both create .venv and install decoderlab into it (torch 2.13.0 first: see README).
 
 VENV ?= .venv
@@ -13,7 +14,7 @@ PYTEST_ARGS ?=
 
 OLAH_VENV ?= .venv-olah
 
-.PHONY: venv olah demo test lint clean
+.PHONY: venv olah demo test test-all lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -38,7 +39,11 @@ demo: venv
 		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
 	$(PY) training/generate.py $(OUT) --prompt "ROMEO:" --max_new_tokens 300
 
-test: venv olah
+# PYTEST_ARGS come last, so `make test PYTEST_ARGS="-k rope"` narrows the run and `-m slow` replaces the marker
+test: venv
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: venv olah
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
