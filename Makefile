@@ -1,6 +1,7 @@
-# Two entry points, each doing its own set-up on a fresh clone:
-#   make demo   pretrain the default recipe on Tiny Shakespeare, then generate from the result
-#   make test   run the test suite
+# Entry points, each doing its own set-up on a fresh clone:
+#   make demo       pretrain the default recipe on Tiny Shakespeare, then generate from the result
+#   make test       the fast tests: everything not marked slow (the inner loop)
+#   make test-all   every test, the slow ones too (whole training runs, subprocesses, the Hub mirror): CI's
 # Both create .venv and install decoderlab into it (torch 2.13.0 first: see README).
 
 VENV ?= .venv
@@ -17,7 +18,7 @@ OLAH_VENV ?= .venv-olah
 # vendored: its tests/ folder and PKG-INFO, unpacked into .hf-tests/ (gitignored); .hf-tests/current points at it
 HF_TESTS := .hf-tests/current/tests
 
-.PHONY: venv olah hf-tests demo test test-versions lint clean
+.PHONY: venv olah hf-tests demo test test-all test-versions lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -52,12 +53,16 @@ demo: venv
 		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
 	$(PY) training/generate.py $(OUT) --prompt "ROMEO:" --max_new_tokens 300
 
+# PYTEST_ARGS come last, so `make test PYTEST_ARGS="-k rope"` narrows the run and `-m slow` replaces the marker
+test: venv hf-tests
+	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: venv olah hf-tests
+	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
+
 # The checkpoint round trip across transformers releases, each in its own environment under .venv-tf/
 test-versions:
 	python3 tests/version_matrix/run_matrix.py
-
-test: venv olah hf-tests
-	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .

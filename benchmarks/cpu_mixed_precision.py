@@ -26,10 +26,11 @@ import sys
 import tempfile
 
 from benchmarks.common import machine_line
+from training.data import tiny_shakespeare
+from training.loop import METRICS_NAME, read_metrics
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
-LOCAL_DATASET = REPO_ROOT / ".." / "shared" / "data" / "tiny_shakespeare"
 
 SIZES = {
     "nano": ["--max_train_steps", "300", "--logging_steps", "50"],
@@ -50,7 +51,7 @@ def run(size: str, precision: str, dataset: str, threads: int, folder: pathlib.P
     command += ["--eval_steps", "none", "--checkpointing_steps", "none", "--max_eval_samples", "8", *SIZES[size]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(output_dir / METRICS_NAME)
     train = [r for r in records if "train_loss" in r]
     first, last = train[0], train[-1]  # the first window holds the warm-up (allocations, first-call costs)
     tokens_per_s = (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
@@ -62,9 +63,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num_threads", type=int, default=2)
-    parser.add_argument(
-        "--dataset_name", default=str(LOCAL_DATASET) if LOCAL_DATASET.is_dir() else "karpathy/tiny_shakespeare"
-    )
+    parser.add_argument("--dataset_name", default=tiny_shakespeare())
     parser.add_argument("--json_out", type=pathlib.Path, default=None)
     args = parser.parse_args()
     flags = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path("/proc/cpuinfo").exists() else set()

@@ -336,7 +336,8 @@ def run_nanogpt_recipe(
         train_time_s: the same without the evaluations;
         val_loss, train_loss: the last periodic estimate (at step max_iters, before that step runs);
         val_loss_every_window: loss over the whole validation split in consecutive non-overlapping
-            block_size windows (see ``windowed_val_loss``), computed after training, not timed;
+            block_size windows (see ``windowed_val_loss``), computed after training, not timed in wall_time_s;
+        window_eval_s: the time that computation took (not part of nanoGPT's own command);
         history: every periodic estimate; tokens_per_s: training tokens / train_time_s; plus the
         recipe, the model config, the parameter count, threads and torch version.
     """
@@ -386,6 +387,7 @@ def run_nanogpt_recipe(
         wall_time = time.perf_counter() - start
         model.eval()
         val_every_window = windowed_val_loss(lambda ids: model(ids, ids)[0], data.val, config.block_size)
+        window_eval_time = time.perf_counter() - start - wall_time
     finally:
         torch.set_num_threads(previous_threads)
     train_time = wall_time - eval_time
@@ -395,6 +397,7 @@ def run_nanogpt_recipe(
         "wall_time_s": wall_time,
         "train_time_s": train_time,
         "eval_time_s": eval_time,
+        "window_eval_s": window_eval_time,
         "steps": steps,
         "tokens_per_s": steps * recipe.batch_size * config.block_size / train_time,
         "val_loss": history[-1]["val"],

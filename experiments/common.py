@@ -29,17 +29,14 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from decoderlab import DecoderLabForCausalLM
 from decoderlab.modeling_decoderlab import eager_attention_forward, repeat_kv
-from training.args import TrainConfig
+from training.args import Config, TrainConfig, add_flags, coerce, option
 from training.checkpointing import git_commit, hardware_description, package_versions
-from training.data import BlockBatches, block_tensor, load_text_splits, pack, prepare_data
-from training.loop import METRICS_NAME, NonFiniteLossError, make_accelerator, train
-from training.pretrain import build_model
+from training.data import BlockBatches, Packing, block_tensor, load_text_splits, pack, prepare_data, tiny_shakespeare
+from training.loop import NonFiniteLossError, make_accelerator, train
+from training.models import build_model
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "experiments" / "results"
-# The offline copy sits beside the checkout; the Hub id is used when it is absent (as `make demo` does).
-LOCAL_DATASET = "../shared/data/tiny_shakespeare"
-HUB_DATASET = "karpathy/tiny_shakespeare"
 DPI = 80  # small PNGs: the committed results stay well under 1 MB
 
 
@@ -47,66 +44,44 @@ DPI = 80  # small PNGs: the committed results stay well under 1 MB
 # Command line: shared flags, plus one flag per field of the experiment's settings dataclass
 
 
+@dataclass
+class ExperimentOptions(Config):
+    """The flags every experiment has, besides one per field of its settings."""
+
+    quick: bool = option(False, "CI-sized smoke run: seconds, numbers meaningless")
+    output_dir: str | None = option(None, "report and plots (default: experiments/results/NAME)")
+    dataset_name: str | None = option(
+        None, "Hub dataset id or local Hub-layout folder (default: ../shared/data/tiny_shakespeare when present, "
+        "else karpathy/tiny_shakespeare)"
+    )  # fmt: skip
+    device: typing.Literal["auto", "cpu", "cuda"] = option("auto", "auto: a GPU if present")
+    threads: int = option(2, "torch CPU threads")
+    seed: int = option(0, "seed of every model's weights and data order")
+
+    def check(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {self.threads}.")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but torch sees no CUDA GPU. Use --device cpu or auto.")
+
+
 def parse_args(
     name: str, description: str, default, quick, argv: list[str] | None
-) -> tuple[argparse.Namespace, typing.Any]:
-    """(flags, settings): ``settings`` is ``quick`` with ``--quick`` and ``default`` otherwise, with every
-    ``--FIELD VALUE`` given on the command line replacing that field."""
-    parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=description)
-    parser.add_argument("--quick", action="store_true", help="CI-sized smoke run: seconds, numbers meaningless")
-    parser.add_argument("--output_dir", default=None, help=f"report and plots (default: experiments/results/{name})")
-    parser.add_argument(
-        "--dataset_name",
-        default=None,
-        help=f"Hub dataset id or local Hub-layout folder (default: {LOCAL_DATASET} when present, else {HUB_DATASET})",
+) -> tuple[ExperimentOptions, typing.Any]:
+    """(options, settings): ``settings`` is ``quick`` with ``--quick`` and ``default`` otherwise, with every
+    ``--FIELD VALUE`` given on the command line replacing that field (typed and checked by training.args)."""
+    parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=description, allow_abbrev=False)
+    add_flags(parser, ExperimentOptions)
+    settings_help = lambda f: (
+        f"(default {format_value(getattr(default, f.name))}; --quick {format_value(getattr(quick, f.name))})"
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: a GPU if present")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every model's weights and data order")
+    add_flags(parser, type(default), help_for=settings_help)
+    given = vars(parser.parse_args(argv))
+    own = {f.name for f in dataclasses.fields(ExperimentOptions)}
+    options = ExperimentOptions(**{key: value for key, value in given.items() if key in own})
     hints = typing.get_type_hints(type(default))
-    for f in dataclasses.fields(default):
-        parser.add_argument(
-            f"--{f.name}",
-            type=flag_type(hints[f.name]),
-            default=None,
-            help=f"(default {format_value(getattr(default, f.name))}; --quick {format_value(getattr(quick, f.name))})",
-        )
-    args = parser.parse_args(argv)
-    if args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}.")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA GPU. Use --device cpu or auto.")
-    base = quick if args.quick else default
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(base) if getattr(args, f.name) is not None}
-    return args, dataclasses.replace(base, **overrides)
-
-
-def flag_type(hint) -> typing.Callable[[str], typing.Any]:
-    """int, float, str, a comma-separated tuple of ints (``--depths 2,6,12``), or one of those or none."""
-    if type(None) in typing.get_args(hint):
-        (inner,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
-        parse = flag_type(inner)
-        return lambda text: None if text.lower() == "none" else parse(text)
-    if hint is bool:
-        return boolean
-    if typing.get_origin(hint) is tuple:
-
-        def ints(text: str) -> tuple[int, ...]:
-            try:
-                return tuple(int(part) for part in text.split(","))
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"expected comma-separated integers like 2,6,12, got {text!r}"
-                ) from None
-
-        return ints
-    return hint
-
-
-def boolean(text: str) -> bool:
-    if text.lower() not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() == "true"
+    overrides = {key: coerce(key, value, hints[key]) for key, value in given.items() if key not in own}
+    return options, dataclasses.replace(quick if options.quick else default, **overrides)
 
 
 def format_value(value) -> str:
@@ -120,7 +95,7 @@ def format_value(value) -> str:
 @dataclass
 class Session:
     name: str
-    args: argparse.Namespace
+    args: ExperimentOptions
     settings: typing.Any
     argv: list[str]
     output_dir: pathlib.Path
@@ -139,7 +114,7 @@ class Session:
         print(f"[{self.name} {self.elapsed():6.0f} s] {message}", flush=True)
 
 
-def start_session(name: str, args: argparse.Namespace, settings, argv: list[str] | None, scratch) -> Session:
+def start_session(name: str, args: ExperimentOptions, settings, argv: list[str] | None, scratch) -> Session:
     """Threads and seed set, output folder created; ``scratch`` is the path of an existing scratch folder."""
     torch.set_num_threads(args.threads)
     set_seed(args.seed)
@@ -165,11 +140,8 @@ def run_experiment(name: str, doc: str, default, quick, run: typing.Callable, ar
 # Data: training/'s loading, character tokenizer and packing
 
 
-def dataset_name(args: argparse.Namespace) -> str:
-    if args.dataset_name is not None:
-        return args.dataset_name
-    local = REPO_ROOT / LOCAL_DATASET
-    return str(local) if local.is_dir() else HUB_DATASET
+def dataset_name(args: ExperimentOptions) -> str:
+    return args.dataset_name if args.dataset_name is not None else tiny_shakespeare()
 
 
 @dataclass
@@ -187,16 +159,16 @@ class Corpus:
 
     def validation_blocks(self, length: int, limit: int) -> torch.Tensor:
         """(at most ``limit``, ``length``) blocks of the validation split, for evaluating at other lengths."""
-        cfg = dataclasses.replace(self.cfg, block_size=length)
-        _, validation = load_text_splits(cfg)
+        _, validation = load_text_splits(self.cfg)
         if validation is None:
             raise ValueError(
-                f"{cfg.dataset_name} has no validation split, which this experiment evaluates on: pass a "
+                f"{self.cfg.dataset_name} has no validation split, which this experiment evaluates on: pass a "
                 "--dataset_name that has one."
             )
-        blocks = block_tensor(pack(validation, self.tokenizer, cfg, "validation"))
+        packing = dataclasses.replace(Packing.of(self.cfg), block_size=length)
+        blocks = block_tensor(pack(validation, self.tokenizer, packing, "validation"))
         if len(blocks) == 0:
-            raise ValueError(f"The validation split of {cfg.dataset_name} is shorter than one block of {length}.")
+            raise ValueError(f"The validation split of {self.cfg.dataset_name} is shorter than one block of {length}.")
         return blocks[:limit]
 
 
@@ -251,13 +223,9 @@ class Run:
 
 
 def fresh_model(corpus: Corpus, model_fields: dict, seed: int) -> DecoderLabForCausalLM:
-    """``training.pretrain.build_model``'s model for ``model_fields`` and the corpus's vocabulary, seeded."""
-    cfg = dataclasses.replace(corpus.cfg, seed=seed)
-    # Set after construction: TrainConfig coerces command-line strings, and would read the string "none"
-    # (position_embedding_type="none") as None. These values are typed already; build_model validates them.
-    cfg.model = dict(model_fields)
+    """``training.models.build_model``'s model for ``model_fields`` and the corpus's vocabulary, seeded."""
     set_seed(seed)
-    return build_model(cfg, corpus.tokenizer)
+    return build_model(model_fields, corpus.tokenizer, corpus.cfg.block_size)
 
 
 def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict, recipe: Recipe) -> Run:
@@ -288,10 +256,10 @@ def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict,
     diverged_by = None
     try:
         result = train(model, batches, corpus.eval_blocks, cfg, accelerator, show_progress=False)
-        model = accelerator.unwrap_model(result.model)
-    except NonFiniteLossError:
+        model, records = accelerator.unwrap_model(result.model), result.history
+    except NonFiniteLossError as diverged:
         model = accelerator.unwrap_model(model)  # train() wraps in place on one process; no-op otherwise
-    records = [json.loads(line) for line in (pathlib.Path(cfg.output_dir) / METRICS_NAME).read_text().splitlines()]
+        records = diverged.history
     train_curve = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
     eval_curve = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     if not eval_curve or eval_curve[-1][0] != recipe.steps:  # no final evaluation: the loop stopped early

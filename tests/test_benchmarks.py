@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from benchmarks import shakespeare_char
 from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES
 from tests.paths import REPO_ROOT
 
@@ -80,3 +81,25 @@ def test_gpu_mfu_dry_run_compares_like_with_like(tmp_path):
         assert math.isfinite(ours["final_loss"])
         assert abs(ours["final_loss"] - reference["final_loss"]) < 1e-3, mode
         assert f"decoderlab / Llama, {mode}:" in stdout
+
+
+@pytest.mark.slow
+def test_shakespeare_char_reports_both_wall_times_the_cpu_and_the_ratios(tmp_path):
+    """A short run of both recipes: the JSON names the CPU and the threads, and for each recipe the whole
+    command's and the training loop's wall times (the command's the larger) and the every-window loss; the
+    ratios are ours / nanoGPT's of those times."""
+    out = tmp_path / "bench.json"
+    shakespeare_char.main(["--reference_max_iters", "20", "--num_threads", "1", "--json_out", str(out), "--",
+                           "--max_train_steps", "20", "--eval_steps", "none", "--checkpointing_steps", "none"])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["cpu"] and result["num_threads"] == 1 and len(result["load_average_before"]) == 3
+    for name in ("ours", "nanogpt"):
+        r = result[name]
+        assert 0 < r["loop_s"] < r["command_s"], name
+        assert 1.0 < r["val_loss_every_window"] < 5.0, name  # from ln(65) = 4.2 after 20 steps
+    assert result["ours"]["steps"] == 20 and result["nanogpt"]["steps"] == 21  # nanoGPT runs 0 .. max_iters
+    assert result["ratio_command"] == pytest.approx(
+        result["ours"]["command_s"] / result["nanogpt"]["command_s"], rel=1e-2
+    )
+    assert result["ratio_loop"] == pytest.approx(result["ours"]["loop_s"] / result["nanogpt"]["loop_s"], rel=1e-2)
+    assert result["wins"] is False  # 20 steps reach nowhere near 1.65

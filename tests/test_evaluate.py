@@ -105,9 +105,9 @@ def test_evaluate_names_a_missing_split(checkpoint):
 
 def test_evaluate_needs_exactly_one_data_source(checkpoint, tmp_path):
     """Neither or both of --dataset_name and --data_file is refused before the model is loaded."""
-    with pytest.raises(SystemExit, match="Pass exactly one of --dataset_name"):
+    with pytest.raises(ValueError, match="Pass exactly one of --dataset_name"):
         evaluate.main([str(checkpoint)])
-    with pytest.raises(SystemExit, match="Pass exactly one of --dataset_name"):
+    with pytest.raises(ValueError, match="Pass exactly one of --dataset_name"):
         evaluate.main([str(checkpoint), "--dataset_name", "x/y", "--data_file", str(tmp_path / "a.txt")])
 
 

@@ -59,7 +59,7 @@ def test_bad_settings_are_refused(tmp_path):
         attention_scale.main(["--quick", "--threads", "0", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--eval_length 16 must exceed --block_size 16"):
         rope_relative.main(["--quick", "--eval_length", "16", "--threads", "1", "--output_dir", str(tmp_path)])
-    with pytest.raises(SystemExit):  # argparse: not a list of integers
+    with pytest.raises(ValueError, match="depths must be comma-separated integer values, e.g. 2,6,12, got '2,six'"):
         norm_placement.main(["--quick", "--depths", "2,six", "--output_dir", str(tmp_path)])
 
 

@@ -11,6 +11,7 @@ characters. Runs take a few seconds each.
 import json
 import pathlib
 import shutil
+import subprocess
 import sys
 
 import datasets
@@ -22,7 +23,9 @@ from safetensors.torch import load_file
 from test_pretrain_training import (  # the pretraining tests' helpers, shared
     _one_thread,  # noqa: F401  (autouse: one thread here and in the subprocess, the same arithmetic)
     final_eval_loss,
+    folder_snapshot,
     kill_when_saved,
+    subprocess_env,
     train_losses,
 )
 from transformers import (
@@ -110,7 +113,8 @@ def test_finetuning_lowers_validation_loss_and_leaves_a_complete_checkpoint(tmp_
     evaluate.py before and after); the output loads with the Auto classes, reproduces that loss, keeps the
     base's tokenizer, records its configuration, and its card names the base model and the dataset."""
     validation = str(speech_data / "prompt_completion_validation.jsonl")
-    measure = ["--data_file", validation, "--data_format", "prompt_completion", "--block_size", "96", "--no_model_card"]
+    measure = ["--data_file", validation, "--data_format", "prompt_completion", "--block_size", "96",
+               "--model_card", "false"]  # fmt: skip
     before = evaluate.main([str(base_checkpoint), *measure, "--output_file", str(tmp_path / "before.json")])
     out = tmp_path / "out"
     finetune.main(finetune_argv(base_checkpoint, speech_data, "prompt_completion", out, "--max_train_steps", "60"))
@@ -133,6 +137,21 @@ def test_finetuning_lowers_validation_loss_and_leaves_a_complete_checkpoint(tmp_
         f"{speech_data.name}/prompt_completion_validation.jsonl"
     }
     assert "prompt_completion_train.jsonl" in card.text and str(tmp_path) not in card.content
+
+
+def test_rerunning_a_finished_fine_tuning_run_leaves_it_as_it_was(tmp_path, base_checkpoint, speech_data, capsys):
+    """The same LoRA (merged) command again with --resume_from_checkpoint latest says it is already finished and
+    rewrites nothing: not the merged weights, the adapter folder, the card or the metrics."""
+    out = tmp_path / "out"
+    argv = finetune_argv(base_checkpoint, speech_data, "chat", out, "--max_train_steps", "10", "--use_lora",
+                         "--merge_lora", "--resume_from_checkpoint", "latest")  # fmt: skip
+    finetune.main(argv)
+    finished = folder_snapshot(out)
+    assert "adapter/adapter_model.safetensors" in finished and "README.md" in finished
+    capsys.readouterr()
+    finetune.main(argv)
+    assert "already finished at step 10" in capsys.readouterr().out
+    assert folder_snapshot(out) == finished
 
 
 def test_lora_trains_only_adapters_and_the_merged_model_equals_base_plus_adapter(
@@ -237,6 +256,30 @@ def test_sigkilled_lora_chat_run_resumes_to_the_same_losses(tmp_path, base_check
     base_logits = logits(AutoModelForCausalLM.from_pretrained(base_checkpoint), input_ids)
     torch.testing.assert_close(logits(loaded, input_ids), logits(with_adapter, input_ids), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(logits(loaded, input_ids), base_logits, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_two_processes_weigh_each_target_as_one_process_does(tmp_path, base_checkpoint, speech_data):
+    """Padded prompt/completion rows of different lengths, 2 torchrun processes each taking 2 micro-batches of
+    2 rows per step, against 1 process of batch 8 without accumulation: the same rows per step and the same loss,
+    the mean over every completion token of the step, whichever process and micro-batch holds it (the count
+    is summed over processes). Averaging each process's or micro-batch's mean instead would weigh a short
+    completion's tokens more than a long one's (6e-4 apart by step 5 here). Tolerance 1e-4 as for pretraining's DDP
+    test (sums in another order)."""
+    steps = ["--max_train_steps", "16", "--checkpointing_steps", "none", "--eval_steps", "none", "--packing", "false"]
+    single, parallel = tmp_path / "single", tmp_path / "parallel"
+    finetune.main(finetune_argv(base_checkpoint, speech_data, "prompt_completion", single, *steps,
+                                "--per_device_train_batch_size", "8"))  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    argv = finetune_argv(base_checkpoint, speech_data, "prompt_completion", parallel, *steps,
+                         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2")  # fmt: skip
+    result = subprocess.run([*launcher, str(FINETUNE), *argv], env=subprocess_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected, got = train_losses(single), train_losses(parallel)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], abs=1e-4), step
+    assert final_eval_loss(parallel) == pytest.approx(final_eval_loss(single), abs=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------

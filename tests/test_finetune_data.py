@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.paths import INPUT_TXT
-from training.data import train_char_tokenizer
-from training.finetune_args import FinetuneConfig
+from training.data import real_tokens, train_char_tokenizer
 from training.sft_data import (
     DEFAULT_CHAT_TEMPLATE,
     IGNORE_INDEX,
+    ExampleFormat,
     TrimmedBatches,
     check_columns,
     fit_examples,
@@ -29,8 +29,8 @@ def char_tokenizer():
     return train_char_tokenizer([INPUT_TXT.read_text(encoding="utf-8")])
 
 
-def config(**overrides) -> FinetuneConfig:
-    return FinetuneConfig(**{"model_name_or_path": "base", "dataset_name": "data", **overrides})
+def config(**overrides) -> ExampleFormat:
+    return ExampleFormat(**overrides)
 
 
 def trained_positions(labels: list[int]) -> list[int]:
@@ -102,6 +102,22 @@ def test_packed_and_padded_rows_score_each_example_as_it_scores_alone(tiny_model
         torch.testing.assert_close(logits[row, : len(ids)], expected, atol=1e-5, rtol=1e-5)
     batch = next(TrimmedBatches(padded, batch_size=4, seed=0).iterate())
     assert batch["input_ids"].shape == (4, 12)  # the longest example, not the block
+
+
+def test_real_tokens_leave_out_the_padding_of_packed_and_padded_rows():
+    """real_tokens counts the examples' tokens: not the padding that ends a packed row (a sequence of its own),
+    nor a padded row's masked tail; a packed row filled to the end has none. Examples with a prompt (-100
+    labels) and a target first token both count in full."""
+    prompt = [IGNORE_INDEX] * 3
+    examples = [([1] * 5, prompt + [1] * 2), ([2] * 9, [2] * 9), ([3] * 7, prompt + [3] * 4), ([4] * 12, [4] * 12)]
+    packed = pack_examples(examples, block_size=21, pad_id=0)  # rows: 5 + 9 + 7 (full), 12 (+ 9 padding)
+    assert packed["input_ids"].shape == (2, 21)
+    batch = {name: x.long() for name, x in packed.items()}
+    assert real_tokens(batch) == 5 + 9 + 7 + 12
+    assert real_tokens({name: x[1:] for name, x in batch.items()}) == 12
+    padded = {name: x.long() for name, x in pad_examples(examples, block_size=21, pad_id=0).items()}
+    assert real_tokens(padded) == 5 + 9 + 7 + 12
+    assert real_tokens({"input_ids": torch.zeros(3, 8, dtype=torch.long)}) == 24  # blocks of text: every token
 
 
 def test_a_prompt_longer_than_the_block_is_truncated_with_a_warning_or_refused(caplog):

@@ -10,6 +10,7 @@ from tests.paths import INPUT_TXT, SHARED_DATA
 from training.args import TrainConfig
 from training.data import (
     BlockBatches,
+    Packing,
     block_tensor,
     load_text_splits,
     pack,
@@ -104,7 +105,7 @@ def test_text_shorter_than_one_block(tmp_path):
     with pytest.raises(
         ValueError, match=r"train text is too short: it has 20 tokens, fewer than 1 block\(s\) of block_size=64"
     ):
-        prepare_map_style(train, validation, tokenizer, cfg)
+        prepare_map_style(train, validation, tokenizer, Packing.of(cfg), cfg.validation_split_percentage)
 
 
 def test_packing_concatenates_and_caches(corpus, tmp_path):
@@ -115,16 +116,16 @@ def test_packing_concatenates_and_caches(corpus, tmp_path):
     cfg = TrainConfig(train_file=str(path), block_size=32, dataset_name=None)
     train, _ = load_text_splits(cfg)
     tokenizer = train_char_tokenizer([corpus])
-    first = pack(train, tokenizer, cfg, "train")
+    first = pack(train, tokenizer, Packing.of(cfg), "train")
     blocks = block_tensor(first)
     expected = torch.tensor(tokenizer(corpus[:20_000], add_special_tokens=False)["input_ids"])
     # rows are lines, concatenated; with fewer than 1000 lines the only loss is the tail past the last block
     assert torch.equal(blocks.flatten().long(), expected[: blocks.numel()])
     assert blocks.shape == (20_000 // 32, 32)
-    second = pack(train, tokenizer, cfg, "train")
+    second = pack(train, tokenizer, Packing.of(cfg), "train")
     assert second._fingerprint == first._fingerprint
     assert second.cache_files == first.cache_files
-    other = pack(train, train_char_tokenizer([corpus[:20_000]]), cfg, "train")
+    other = pack(train, train_char_tokenizer([corpus[:20_000]]), Packing.of(cfg), "train")
     assert other._fingerprint != first._fingerprint  # another vocabulary: tokenized again
 
 
@@ -186,7 +187,7 @@ def test_streaming_carves_validation_and_resumes(corpus, tmp_path):
     train, validation = load_text_splits(cfg)
     assert isinstance(train, datasets.IterableDataset) and validation is None
     tokenizer = train_bpe_tokenizer([corpus[:100_000]], vocab_size=300)
-    train_blocks, eval_blocks = prepare_streaming(train, validation, tokenizer, cfg)
+    train_blocks, eval_blocks = prepare_streaming(train, validation, tokenizer, Packing.of(cfg), validation_texts=5)
     validation_text = "".join(d + "<|endoftext|>" for d in documents[:5])
     validation_ids = tokenizer(validation_text, add_special_tokens=False)["input_ids"]
     assert eval_blocks.shape == (len(validation_ids) // 32, 32)

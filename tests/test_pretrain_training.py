@@ -6,6 +6,8 @@ process; the SIGKILL and the two-process runs are subprocesses with the same thr
 arithmetic is the same as in-process.
 """
 
+import copy
+import itertools
 import json
 import math
 import os
@@ -24,9 +26,17 @@ import decoderlab
 from tests.paths import INPUT_TXT, REPO_ROOT
 from training import checkpointing, pretrain
 from training.args import TrainConfig, parse_config
-from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint
+from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint, save_final_folder
 from training.data import BlockBatches, train_char_tokenizer
-from training.loop import NonFiniteLossError, evaluate, make_accelerator, param_groups, train
+from training.loop import (
+    METRICS_NAME,
+    NonFiniteLossError,
+    evaluate,
+    make_accelerator,
+    param_groups,
+    read_metrics,
+    train,
+)
 
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
 TINY_MODEL = ["--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "2"]
@@ -63,16 +73,16 @@ def tiny_argv(text_files, output_dir, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def read_metrics(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (pathlib.Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+def metrics(output_dir) -> list[dict]:
+    return read_metrics(pathlib.Path(output_dir) / METRICS_NAME)
 
 
 def train_losses(output_dir) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in read_metrics(output_dir) if "train_loss" in r}
+    return {r["step"]: r["train_loss"] for r in metrics(output_dir) if "train_loss" in r}
 
 
 def final_eval_loss(output_dir) -> float:
-    return [r["eval_loss"] for r in read_metrics(output_dir) if "eval_loss" in r][-1]
+    return [r["eval_loss"] for r in metrics(output_dir) if "eval_loss" in r][-1]
 
 
 def subprocess_env() -> dict:
@@ -125,6 +135,74 @@ def test_evaluate_weights_every_predicted_token_once(tiny_model):
     assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
 
 
+class ListBatches:
+    """The loop's batch protocol over a fixed list of batches, repeated."""
+
+    def __init__(self, batches: list[dict]):
+        self.batches = batches
+
+    def iterate(self, start: int = 0):
+        for index in itertools.count(start):
+            yield self.batches[index % len(self.batches)]
+
+
+def padded_batch(lengths: list[int], width: int, vocab: int = 99) -> dict[str, torch.Tensor]:
+    """Right-padded rows of the given lengths (every real token a target), cut to ``width`` columns."""
+    input_ids = torch.randint(0, vocab, (len(lengths), width))
+    attention_mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": input_ids.masked_fill(attention_mask == 0, -100),
+    }
+
+
+def test_tokens_count_the_real_tokens_of_every_micro_batch(tmp_path, tiny_model):
+    """metrics.jsonl's tokens (and the final state's) are the non-padding tokens of every micro-batch seen,
+    whatever the batches' widths: here 3 + 5 + 2 + 8 = 18 real tokens per two micro-batches of 16 and 24 slots."""
+    batches = ListBatches([padded_batch([3, 5], width=8), padded_batch([2, 8, 1], width=8)])
+    per_cycle = 3 + 5 + 2 + 8 + 1
+    cfg = TrainConfig(output_dir=str(tmp_path), max_train_steps=6, logging_steps=2, eval_steps=None,
+                      checkpointing_steps=None, num_warmup_steps=0)  # fmt: skip
+    result = train(tiny_model(), batches, torch.randint(0, 99, (4, 8)), cfg, make_accelerator(cfg), show_progress=False)
+    logged = {r["step"]: r["tokens"] for r in metrics(tmp_path) if "train_loss" in r}
+    assert logged == {2: per_cycle, 4: 2 * per_cycle, 6: 3 * per_cycle}
+    assert result.state.tokens == 3 * per_cycle
+    assert result.history == metrics(tmp_path)  # the run's records, without reading the file back
+
+
+def test_an_accumulated_step_is_the_full_batch_step(tmp_path, tiny_model):
+    """Two micro-batches of 2 rows with 3 and 21 targets make the same optimizer step as one batch of the 4
+    rows: the loss is the mean over all 24 targets of the step (not the mean of the two micro-batches' means,
+    which weighs each of the 3 targets 7 times as much as each of the 21), and so are the gradients.
+
+    AdamW's first step is lr * g / (|g| + eps); with eps = 1e4 >> |g| and lr = eps it moves each weight by
+    -g (to 1e-4 relative), so equal weight updates mean equal gradients. Tolerance: float32 rounding of
+    the sums, done in another order (1e-5 of updates about 1e-2).
+    """
+    short, long = padded_batch([2, 3], width=12), padded_batch([12, 11], width=12)  # 1 + 2 and 11 + 10 targets
+    full = {name: torch.cat([short[name], long[name]]) for name in short}
+    settings = dict(max_train_steps=1, logging_steps=1, eval_steps=None, checkpointing_steps=None,
+                    num_warmup_steps=0, learning_rate=1e4, adam_epsilon=1e4, weight_decay=0.0, max_grad_norm=None)  # fmt: skip
+    model = tiny_model().train()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    logits = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"]).logits[:, :-1]
+    targets = full["labels"][:, 1:]
+    expected_loss = torch.nn.functional.cross_entropy(logits[targets != -100], targets[targets != -100]).item()
+
+    updates, losses = {}, {}
+    for name, batches, accumulation in (("accumulated", [short, long], 2), ("full", [full], 1)):
+        cfg = TrainConfig(output_dir=str(tmp_path / name), gradient_accumulation_steps=accumulation, **settings)
+        run = copy.deepcopy(model)
+        train(run, ListBatches(batches), full["input_ids"], cfg, make_accelerator(cfg), show_progress=False)
+        updates[name] = {n: p.detach() - initial[n] for n, p in run.named_parameters()}
+        losses[name] = [r["train_loss"] for r in metrics(tmp_path / name) if "train_loss" in r][0]
+    assert losses["accumulated"] == pytest.approx(expected_loss, rel=1e-5)
+    assert losses["full"] == pytest.approx(expected_loss, rel=1e-5)
+    for name, update in updates["full"].items():
+        torch.testing.assert_close(updates["accumulated"][name], update, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny_model, monkeypatch):
     """A save killed halfway leaves only step_N.tmp: 'latest' still resolves to the previous complete
     checkpoint, and the next save of that step replaces the leftover."""
@@ -148,6 +226,19 @@ def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny
     assert not (tmp_path / "step_20.tmp").exists()
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         resolve_checkpoint(str(tmp_path / "step_30"), tmp_path)
+
+
+def test_final_folder_of_a_compiled_model_holds_the_models_own_weights(tmp_path, tiny_model):
+    """A ``torch.compile`` wrapper prefixes every parameter name with ``_orig_mod.``; the final folder keeps
+    the model's own names, so it loads back with exactly the trained weights."""
+    model = tiny_model()
+    accelerator = make_accelerator(TrainConfig(output_dir=str(tmp_path)))
+    compiled = accelerator.prepare(torch.compile(model))  # compiled lazily: nothing runs here
+    save_final_folder(accelerator, compiled, train_char_tokenizer(["abc"]), tmp_path, {}, {})
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, text_files):
@@ -177,6 +268,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tex
     message = str(info.value)
     assert "The training loss is nan at step 30" in message
     assert "step_20, is intact" in message and "--learning_rate" in message
+    assert [r["step"] for r in info.value.history if "train_loss" in r] == [5, 10, 15, 20, 25]  # up to the last good
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_10", "step_20"]
     assert not list(tmp_path.glob("*.tmp"))
     from safetensors.torch import load_file
@@ -197,7 +289,7 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
     out = tmp_path / "run"
     pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "60"))
     losses = train_losses(out)
-    evals = [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]  # steps 20, 40 and the final one
+    evals = [r["eval_loss"] for r in metrics(out) if "eval_loss" in r]  # steps 20, 40 and the final one
     assert losses[60] < losses[5] - 0.5  # from about ln(65) = 4.2
     assert evals[0] > evals[1] > evals[2]
 
@@ -235,6 +327,55 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
     stop = full[10:12]
     generate.main([str(out), "--prompt", "ROMEO:", "--max_new_tokens", "40", "--greedy", "--stop", stop])
     assert capsys.readouterr().out == "ROMEO:" + full[: full.index(stop) + len(stop)] + "\n"
+
+
+def folder_snapshot(folder: pathlib.Path) -> dict:
+    """Every file under ``folder``: its bytes and modification time."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def test_rerunning_a_finished_run_leaves_it_as_it_was_and_more_steps_continue_it(tmp_path, text_files, capsys):
+    """The same command again (``--resume_from_checkpoint latest``) on a finished run says it is already
+    finished, returns normally and rewrites nothing (no byte and no modification time changes); with a
+    raised ``--max_train_steps`` it trains on from the last checkpoint instead."""
+    out = tmp_path / "run"
+    argv = tiny_argv(text_files, out, "--max_train_steps", "20", "--resume_from_checkpoint", "latest")
+    pretrain.main(argv)
+    finished = folder_snapshot(out)
+    capsys.readouterr()
+
+    pretrain.main(argv)
+    assert "already finished at step 20" in capsys.readouterr().out
+    assert folder_snapshot(out) == finished
+
+    pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "30", "--resume_from_checkpoint", "latest"))
+    assert sorted(train_losses(out)) == [5, 10, 15, 20, 25, 30]  # the first run's records are kept
+    assert json.loads((out / "step_30" / checkpointing.STATE_NAME).read_text())["tokens"] == 30 * 4 * 16
+
+
+def test_training_on_from_a_checkpoint_keeps_its_tokenizer(tmp_path, text_files):
+    """--model_name_or_path continues with the checkpoint's own tokenizer, so every token id keeps its meaning,
+    here on lower-case text, whose own character vocabulary would number the characters differently; a
+    checkpoint without a tokenizer is refused before anything is written."""
+    base, more, refused = tmp_path / "base", tmp_path / "more", tmp_path / "refused"
+    pretrain.main(tiny_argv(text_files, base, "--max_train_steps", "10"))
+    lower = []
+    for path in text_files:
+        lower.append(tmp_path / f"lower_{path.name}")
+        lower[-1].write_text(path.read_text().lower())
+    pretrain.main(tiny_argv(lower, more, "--max_train_steps", "10", "--model_name_or_path", str(base)))
+    assert AutoTokenizer.from_pretrained(more).get_vocab() == AutoTokenizer.from_pretrained(base).get_vocab()
+    assert train_losses(more)[5] < train_losses(base)[5] - 0.2  # the weights carry over too
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((base / name).read_bytes())
+    with pytest.raises(ValueError, match="has no tokenizer: none of tokenizer.json"):
+        pretrain.main(tiny_argv(lower, refused, "--max_train_steps", "10", "--model_name_or_path", str(bare)))
+    assert not refused.exists()
 
 
 @pytest.mark.slow

@@ -2,8 +2,11 @@
 
 - ``training.args``: the typed run configuration (``TrainConfig``), read from YAML plus command-line overrides.
 - ``training.data``: datasets, tokenizers, tokenize-once caching, packing into blocks, resumable batches.
+- ``training.models``: the model and tokenizer of a run: a fresh model, or a checkpoint with its own tokenizer,
+  checked against the tokenizer and the block size.
 - ``training.loop``: optimizer, schedule, the accumulation/clipping/mixed-precision loop, evaluation, logging.
 - ``training.checkpointing``: crash-safe Accelerate checkpoints, resume, and the final Hugging Face folder.
+- ``training.finish``: the end of every training script: the final folder, the model card, the summary, the upload.
 - ``training.finetune_args``: ``FinetuneConfig``, the fine-tuning configuration (base checkpoint, data format, LoRA).
 - ``training.sft_data``: fine-tuning data: prompt/completion and chat examples with completion-only labels,
   packed (examples kept apart) or padded.

@@ -1,4 +1,4 @@
-"""The run configuration: one typed dataclass, read from a YAML recipe and overridden on the command line.
+"""The command line of every entry point: one typed dataclass, read from a YAML recipe and overridden by flags.
 
     python training/pretrain.py --config training/configs/shakespeare_char.yaml --learning_rate 2e-3 \\
         --model.num_hidden_layers 6 --with_tracking
@@ -10,7 +10,9 @@ overrides them, and the dataclass checks the result once, in ``__post_init__``: 
 type, an unknown field or an impossible value is a ``ValueError`` naming the field, the value and what
 is allowed.
 
-A fine-tuning script extends ``TrainConfig`` by subclassing it and reuses ``parse_config``.
+A fine-tuning script extends ``TrainConfig`` by subclassing it and reuses ``parse_config``; any other
+entry point (``training/evaluate.py``, the experiments) declares its own ``Config`` subclass or dataclass
+with ``option`` fields and gets the same flags, types and errors from ``parse_config`` / ``add_flags``.
 """
 
 import argparse
@@ -33,17 +35,37 @@ DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
 NONE_STRINGS = ("none", "null", "~")
 TRUE_STRINGS = ("true", "yes", "1", "on")
 FALSE_STRINGS = ("false", "no", "0", "off")
+ITEM_NAMES = {int: "integer", float: "number", str: "string"}  # the items of a tuple field, as the help names them
 
 
-def option(default=dataclasses.MISSING, help: str = "", **kwargs):
-    """A dataclass field carrying its ``--help`` text."""
+def option(default=dataclasses.MISSING, help: str = "", positional: bool = False, **kwargs):
+    """A dataclass field carrying its ``--help`` text; ``positional``: a required argument without ``--``."""
+    metadata = {"help": help, "positional": positional}
     if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=lambda: dict(default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 @dataclass
-class TrainConfig:
+class Config:
+    """A command-line configuration: every field a flag, every value coerced to the field's type (command-line
+    strings and YAML values alike) and then checked once by ``check``, in ``__post_init__``."""
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
+        self.check()
+
+    def check(self) -> None:
+        """Reject values no run can use, with a ValueError naming the field, the value and what to do."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainConfig(Config):
     """Everything a training run needs. Data and optimisation defaults are the ``shakespeare_char`` recipe's;
     the model is ``DecoderLabConfig(**model)``, so its size comes from the recipe's ``model:`` mapping."""
 
@@ -72,7 +94,9 @@ class TrainConfig:
     bpe_vocab_size: int = option(8192, "vocabulary size of the trained byte-level BPE")
     tokenizer_train_texts: int = option(100_000, "most texts read to build a char/BPE vocabulary")
     # --- model
-    model_name_or_path: str | None = option(None, "start from these weights (Hub id or folder) instead of from scratch")
+    model_name_or_path: str | None = option(
+        None, "start from these weights (a decoderlab folder or Hub id) and its own tokenizer, instead of from scratch"
+    )
     model: dict = option({}, "DecoderLabConfig fields for a model trained from scratch (--model.FIELD VALUE)")
     # --- optimisation
     per_device_train_batch_size: int = option(12, "sequences per process per micro-batch")
@@ -109,14 +133,7 @@ class TrainConfig:
     hub_model_id: str | None = option(None, "ORG/NAME of the Hub model repository")
     sample_prompt: str = option("ROMEO:", "prompt of the generation example in the model card")
 
-    def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
-        self.check()
-
     def check(self) -> None:
-        """Reject values no run can use; each message names the field, the value and what to do."""
         positive = (
             "block_size", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
             "max_train_steps", "num_train_epochs", "eval_steps", "logging_steps", "checkpointing_steps",
@@ -174,9 +191,6 @@ class TrainConfig:
             if path is not None and pathlib.Path(path).suffix not in DATA_FILE_SUFFIXES:
                 raise ValueError(f"{name}={path!r} must end in one of {', '.join(DATA_FILE_SUFFIXES)}.")
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def check_model_fields(model: dict) -> None:
     """The ``model:`` mapping must name DecoderLabConfig fields with valid values (checked by the config itself)."""
@@ -197,6 +211,9 @@ def describe(hint) -> str:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(hint))
     if typing.get_origin(hint) in (Union, types.UnionType):
         return " or ".join(describe(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        return f"comma-separated {ITEM_NAMES.get(item, describe(item))} values, e.g. 2,6,12"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(
         hint, "none" if hint is type(None) else str(hint)
     )
@@ -246,6 +263,14 @@ def coerce(name: str, value, hint):
     if hint is str:
         if isinstance(value, str):
             return value
+        raise wrong
+    if origin is tuple:  # tuple[T, ...]: "2,6,12" on the command line, a list in YAML
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)) and items:
+            try:
+                return tuple(coerce(name, item, args[0]) for item in items)
+            except ValueError:
+                raise wrong from None
         raise wrong
     if hint is dict or origin is dict:
         if isinstance(value, str):
@@ -302,27 +327,43 @@ def load_yaml(path) -> dict:
     return values
 
 
-def build_parser(cls: type[TrainConfig]) -> argparse.ArgumentParser:
-    """One flag per field; only flags actually given appear in the parsed namespace."""
-    parser = argparse.ArgumentParser(
-        description=(cls.__doc__ or "").split("\n")[0],
-        allow_abbrev=False,
-        epilog="--model.FIELD VALUE sets one DecoderLabConfig field of the model: mapping.",
-    )
-    parser.add_argument("--config", help="YAML recipe whose values the other flags override")
+def add_flags(parser: argparse.ArgumentParser, cls, help_for: typing.Callable | None = None) -> None:
+    """One flag per field of the dataclass ``cls`` (``help_for(field)`` for the help text, default: the field's
+    own and its default); only flags actually given appear in the parsed namespace, as strings to ``coerce``."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kwargs = {"default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {default})"}
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, help=f.metadata.get("help", ""))
+            continue
+        if help_for is None:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        else:
+            help_text = help_for(f)
+        kwargs = {"default": argparse.SUPPRESS, "help": help_text}
         if hints[f.name] is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")  # `--flag` alone means true
         parser.add_argument(f"--{f.name}", **kwargs)
+
+
+def build_parser(cls: type[Config], **parser_kwargs) -> argparse.ArgumentParser:
+    """``--config YAML`` and one flag per field of ``cls``."""
+    epilog = "--model.FIELD VALUE sets one DecoderLabConfig field of the model: mapping." if has_model(cls) else None
+    parser = argparse.ArgumentParser(
+        **{"description": (cls.__doc__ or "").split("\n")[0], "allow_abbrev": False, "epilog": epilog, **parser_kwargs}
+    )
+    parser.add_argument("--config", help="YAML recipe whose values the other flags override")
+    add_flags(parser, cls)
     return parser
 
 
-def parse_config(cls: type[TrainConfig] = TrainConfig, argv: list[str] | None = None) -> TrainConfig:
+def has_model(cls) -> bool:
+    return "model" in {f.name for f in dataclasses.fields(cls)}
+
+
+def parse_config(cls: type[Config] = TrainConfig, argv: list[str] | None = None, **parser_kwargs) -> Config:
     """``cls`` from ``--config YAML`` (optional) overridden by the other flags of ``argv``."""
-    namespace, rest = build_parser(cls).parse_known_args(argv)
+    namespace, rest = build_parser(cls, **parser_kwargs).parse_known_args(argv)
     overrides = vars(namespace)
     config_path = overrides.pop("config", None)
     values = load_yaml(config_path) if config_path else {}
@@ -331,18 +372,18 @@ def parse_config(cls: type[TrainConfig] = TrainConfig, argv: list[str] | None = 
         if key not in known:
             raise ValueError(f"{config_path}: {key!r} is not a {cls.__name__} field.{suggestion(key, known)}")
     values.update(overrides)
-    model_overrides = parse_dotted(rest, known)
+    model_overrides = parse_dotted(rest, known, allow_model=has_model(cls))
     if model_overrides:
         values["model"] = {**(values.get("model") or {}), **model_overrides}
     return cls(**values)
 
 
-def parse_dotted(rest: list[str], known) -> dict:
+def parse_dotted(rest: list[str], known, allow_model: bool = True) -> dict:
     """``--model.FIELD VALUE`` / ``--model.FIELD=VALUE`` pairs left over by argparse."""
     overrides, i = {}, 0
     while i < len(rest):
         flag = rest[i]
-        if not flag.startswith("--model."):
+        if not (allow_model and flag.startswith("--model.")):
             name = flag.lstrip("-").split("=")[0]
             raise ValueError(f"Unknown argument {flag!r}.{suggestion(name, known)} See --help for every field.")
         key, _, value = flag[len("--model.") :].partition("=")

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 STATE_NAME = "training_state.json"
 CHECKPOINT_PATTERN = re.compile(r"step_(\d+)")
 TMP_SUFFIX = ".tmp"
+COMPILED_PREFIX = "_orig_mod."  # torch.compile's OptimizedModule holds the model as `_orig_mod`
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = (
     "decoderlab",
@@ -152,10 +153,15 @@ def resolve_checkpoint(spec: str | None, output_dir) -> pathlib.Path | None:
     return path
 
 
+def read_state(path) -> TrainState:
+    """Where the run saved in the checkpoint folder ``path`` was: step, tokens, elapsed time."""
+    return TrainState(**json.loads((pathlib.Path(path) / STATE_NAME).read_text()))
+
+
 def load_checkpoint(accelerator: Accelerator, path) -> TrainState:
     """Restore weights, optimizer, scheduler and RNG states into the prepared objects; return the run's state."""
     accelerator.load_state(str(path))
-    state = TrainState(**json.loads((pathlib.Path(path) / STATE_NAME).read_text()))
+    state = read_state(path)
     logger.info(f"Resumed from {path} at step {state.step}")
     return state
 
@@ -229,14 +235,11 @@ def save_final_folder(
     config, tokenizer, the resolved training configuration and ``run_info.json``. ``metrics.jsonl`` is
     already there (the loop appends to it); the model card is written last, by the script."""
     output_dir = pathlib.Path(output_dir)
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)  # torch.compile's wrapper
-    unwrapped.save_pretrained(
-        output_dir,
-        is_main_process=accelerator.is_main_process,
-        state_dict=accelerator.get_state_dict(model),
-        save_function=accelerator.save,
-    )
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # without DDP's and torch.compile's wrappers
+    state_dict = accelerator.get_state_dict(model)  # gathered from every process under FSDP and DeepSpeed
+    if state_dict is not None:  # torch.compile's wrapper prefixes each name; the checkpoint keeps the model's own
+        state_dict = {name.removeprefix(COMPILED_PREFIX): tensor for name, tensor in state_dict.items()}
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
         (output_dir / "training_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -21,6 +21,7 @@ import itertools
 import logging
 import pathlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import datasets
 import numpy as np
@@ -38,13 +39,24 @@ logger = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EOS_TOKEN = "<|endoftext|>"
+IGNORE_INDEX = -100  # transformers' label for "no loss here"
 PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
 
 TextSplit = datasets.Dataset | datasets.IterableDataset
 
+# Tiny Shakespeare, the default recipe's data: a Hub-layout copy beside the checkout, or the Hub's
+TINY_SHAKESPEARE_LOCAL = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "tiny_shakespeare"
+TINY_SHAKESPEARE_HUB = "karpathy/tiny_shakespeare"
+
 
 # ----------------------------------------------------------------------------------------------
 # 1. Loading
+
+
+def tiny_shakespeare() -> str:
+    """Where Tiny Shakespeare is read from: the offline copy when it sits beside the checkout
+    (``../shared/data/tiny_shakespeare``, as ``make demo`` reads it), else the Hub dataset id."""
+    return str(TINY_SHAKESPEARE_LOCAL) if TINY_SHAKESPEARE_LOCAL.is_dir() else TINY_SHAKESPEARE_HUB
 
 
 def load_text_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
@@ -59,9 +71,11 @@ def load_text_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
 def load_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
     """(train, validation or None) as loaded, whatever their columns (fine-tuning data checks its own)."""
     if cfg.train_file is not None:
-        splits = load_files(cfg)
+        if cfg.dataset_name is not None:
+            logger.info(f"Training on --train_file {cfg.train_file}; dataset_name={cfg.dataset_name!r} is not used.")
+        splits = load_files(cfg.train_file, cfg.validation_file, streaming=cfg.streaming)
     else:
-        splits = load_named_dataset(cfg)
+        splits = load_named_dataset(cfg.dataset_name, cfg.dataset_config_name, streaming=cfg.streaming)
     if "train" not in splits:
         raise ValueError(
             f"{cfg.dataset_name or cfg.train_file} has no 'train' split, only {list(splits)}. "
@@ -76,27 +90,26 @@ def load_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
     return train, validation
 
 
-def load_files(cfg: TrainConfig) -> dict[str, TextSplit]:
-    data_files = {"train": cfg.train_file}
-    if cfg.validation_file is not None:
-        data_files["validation"] = cfg.validation_file
+def load_files(train_file: str, validation_file: str | None = None, streaming: bool = False) -> dict[str, TextSplit]:
+    """``{"train": ...}`` (and ``"validation"``) from local .txt/.json/.jsonl/.parquet/.csv files."""
+    data_files = {"train": train_file}
+    if validation_file is not None:
+        data_files["validation"] = validation_file
     for path in data_files.values():
         if not pathlib.Path(path).is_file():
             raise ValueError(
                 f"Data file {path} does not exist. Check the path given to --train_file/--validation_file."
             )
-    if cfg.dataset_name is not None:
-        logger.info(f"Training on --train_file {cfg.train_file}; dataset_name={cfg.dataset_name!r} is not used.")
-    suffix = pathlib.Path(cfg.train_file).suffix
+    suffix = pathlib.Path(train_file).suffix
     # text files: one row per line, line breaks kept, so concatenating the rows gives the file back
     extra = {"keep_linebreaks": True} if suffix == ".txt" else {}
-    return datasets.load_dataset(BUILDERS[suffix], data_files=data_files, streaming=cfg.streaming, **extra)
+    return datasets.load_dataset(BUILDERS[suffix], data_files=data_files, streaming=streaming, **extra)
 
 
-def load_named_dataset(cfg: TrainConfig) -> dict[str, TextSplit]:
-    name = cfg.dataset_name
+def load_named_dataset(name: str, config_name: str | None = None, streaming: bool = False) -> dict[str, TextSplit]:
+    """The splits of a Hub dataset id or a local Hub-layout folder, or a ValueError saying what was tried."""
     try:
-        return datasets.load_dataset(name, cfg.dataset_config_name, streaming=cfg.streaming)
+        return datasets.load_dataset(name, config_name, streaming=streaming)
     except (FileNotFoundError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as err:
         local = pathlib.Path(name)
         offline = (
@@ -216,14 +229,34 @@ def tokenizer_for_run(
 # 3. Packing
 
 
-def pack(split: TextSplit, tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, split_name: str) -> TextSplit:
+@dataclass(frozen=True)
+class Packing:
+    """How ``pack`` turns texts into blocks: ``block_size`` tokens each, from the ``column`` of each row. Whole
+    documents are separated by the tokenizer's end-of-text token, if it has one; the lines of one text file
+    (``documents=False``) are not. ``overwrite_cache`` and ``num_proc`` go to ``datasets.map``."""
+
+    block_size: int
+    column: str = "text"
+    documents: bool = True
+    overwrite_cache: bool = False
+    num_proc: int | None = None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> "Packing":
+        """The packing ``cfg`` asks for (a ``--train_file`` ending in .txt holds lines, not documents)."""
+        rows_are_lines = cfg.train_file is not None and cfg.train_file.endswith(".txt")
+        return cls(cfg.block_size, cfg.text_column_name, not rows_are_lines, cfg.overwrite_cache,
+                   cfg.preprocessing_num_workers)  # fmt: skip
+
+
+def pack(split: TextSplit, tokenizer: PreTrainedTokenizerBase, packing: Packing, split_name: str) -> TextSplit:
     """Tokenize the texts of ``split`` and cut their concatenation into rows of ``block_size`` ``input_ids``.
 
     Map-style splits are cached by ``datasets`` under a fingerprint of (the split, the tokenizer, the
     packing settings); the tail of each batch of 1000 texts that does not fill a block is dropped.
     """
-    block_size, column = cfg.block_size, cfg.text_column_name
-    separator = [tokenizer.eos_token_id] if separates_documents(tokenizer, cfg) else []
+    block_size, column = packing.block_size, packing.column
+    separator = [tokenizer.eos_token_id] if packing.documents and tokenizer.eos_token_id is not None else []
 
     def tokenize_and_cut(batch: dict) -> dict:
         ids = tokenizer(batch[column], add_special_tokens=False, return_attention_mask=False)["input_ids"]
@@ -239,17 +272,11 @@ def pack(split: TextSplit, tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig,
         fingerprint = Hasher.hash([split._fingerprint, tokenizer_state, block_size, column, separator, PACKING_VERSION])
         kwargs.update(
             new_fingerprint=fingerprint,
-            load_from_cache_file=not cfg.overwrite_cache,
-            num_proc=cfg.preprocessing_num_workers,
+            load_from_cache_file=not packing.overwrite_cache,
+            num_proc=packing.num_proc,
             desc=f"Tokenizing and packing {split_name} into blocks of {block_size}",
         )
     return split.map(tokenize_and_cut, **kwargs)
-
-
-def separates_documents(tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig) -> bool:
-    """End-of-text between rows when the tokenizer has one and rows are documents (not the lines of a .txt)."""
-    rows_are_lines = cfg.train_file is not None and cfg.train_file.endswith(".txt")
-    return tokenizer.eos_token_id is not None and not rows_are_lines
 
 
 def block_tensor(blocks: datasets.Dataset) -> torch.Tensor:
@@ -262,14 +289,15 @@ def block_tensor(blocks: datasets.Dataset) -> torch.Tensor:
     return tensor.to(torch.int32) if tensor.max() < 2**31 else tensor
 
 
-def too_short_error(split: TextSplit, tokenizer, cfg: TrainConfig, split_name: str, needed: int = 1) -> ValueError:
+def too_short_error(
+    split: TextSplit, tokenizer, column: str, block_size: int, split_name: str, needed: int = 1
+) -> ValueError:
     n_tokens = sum(
-        len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        for text in iter_texts(split, cfg.text_column_name, 10_000)
+        len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in iter_texts(split, column, 10_000)
     )
     return ValueError(
         f"The {split_name} text is too short: it has {n_tokens} tokens, fewer than {needed} block(s) of "
-        f"block_size={cfg.block_size} tokens. Lower --block_size or give more text."
+        f"block_size={block_size} tokens. Lower --block_size or give more text."
     )
 
 
@@ -280,36 +308,45 @@ def split_blocks(blocks: torch.Tensor, percentage: float) -> tuple[torch.Tensor,
 
 
 def prepare_map_style(
-    train: datasets.Dataset, validation: datasets.Dataset | None, tokenizer, cfg: TrainConfig
+    train: datasets.Dataset, validation: datasets.Dataset | None, tokenizer, packing: Packing, percentage: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train blocks, validation blocks) as tensors; validation is carved off train when the data has none."""
-    train_blocks = block_tensor(pack(train, tokenizer, cfg, "train"))
+    """(train blocks, validation blocks) as tensors; without a validation split the last ``percentage`` % of
+    the train blocks validate."""
+    too_short = lambda split, name, needed=1: too_short_error(
+        split, tokenizer, packing.column, packing.block_size, name, needed
+    )
+    train_blocks = block_tensor(pack(train, tokenizer, packing, "train"))
     if validation is None:
         if len(train_blocks) < 2:
-            raise too_short_error(train, tokenizer, cfg, "train", needed=2)
-        logger.info(f"No validation split: the last {cfg.validation_split_percentage}% of the train blocks validate.")
-        return split_blocks(train_blocks, cfg.validation_split_percentage)
+            raise too_short(train, "train", needed=2)
+        logger.info(f"No validation split: the last {percentage}% of the train blocks validate.")
+        return split_blocks(train_blocks, percentage)
     if len(train_blocks) == 0:
-        raise too_short_error(train, tokenizer, cfg, "train")
-    validation_blocks = block_tensor(pack(validation, tokenizer, cfg, "validation"))
+        raise too_short(train, "train")
+    validation_blocks = block_tensor(pack(validation, tokenizer, packing, "validation"))
     if len(validation_blocks) == 0:
-        raise too_short_error(validation, tokenizer, cfg, "validation")
+        raise too_short(validation, "validation")
     return train_blocks, validation_blocks
 
 
 def prepare_streaming(
-    train: datasets.IterableDataset, validation: datasets.IterableDataset | None, tokenizer, cfg: TrainConfig
+    train: datasets.IterableDataset,
+    validation: datasets.IterableDataset | None,
+    tokenizer,
+    packing: Packing,
+    validation_texts: int,
+    max_eval_samples: int | None = None,
 ) -> tuple[datasets.IterableDataset, torch.Tensor]:
-    """(train blocks, streamed; validation blocks, in memory): without a validation split the first
-    ``streaming_validation_texts`` texts validate and training skips them."""
+    """(train blocks, streamed; validation blocks, in memory, at most ``max_eval_samples``): without a validation
+    split the first ``validation_texts`` texts validate and training skips them."""
     if validation is None:
-        validation = train.take(cfg.streaming_validation_texts)
-        train = train.skip(cfg.streaming_validation_texts)
-    limit = cfg.max_eval_samples if cfg.max_eval_samples is not None else None
-    rows = list(itertools.islice(pack(validation, tokenizer, cfg, "validation"), limit))
+        validation = train.take(validation_texts)
+        train = train.skip(validation_texts)
+    rows = list(itertools.islice(pack(validation, tokenizer, packing, "validation"), max_eval_samples))
     if not rows:
-        raise too_short_error(validation, tokenizer, cfg, "validation")
-    return pack(train, tokenizer, cfg, "train"), torch.from_numpy(np.stack([np.asarray(r["input_ids"]) for r in rows]))
+        raise too_short_error(validation, tokenizer, packing.column, packing.block_size, "validation")
+    blocks = torch.from_numpy(np.stack([np.asarray(r["input_ids"]) for r in rows]))
+    return pack(train, tokenizer, packing, "train"), blocks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,6 +447,30 @@ class StreamBatches:
                 )
 
 
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The tokens a batch's loss is taken on: position t predicts ``labels[t + 1]``, unless that is -100."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens of a batch that are not padding: what ``tokens`` and ``tokens_per_s`` count.
+
+    Right-padded rows (an ``attention_mask``, ``sft_data.pad_examples``): the mask's ones. Packed rows
+    (``position_ids`` restarting at 0 for each example, ``sft_data.pack_examples``): all but the padding
+    that ends a row, the one sequence of a row without a single target (each packed example has one).
+    Blocks of text: every token.
+    """
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    input_ids = batch["input_ids"]
+    if "position_ids" not in batch:
+        return input_ids.numel()
+    sequence = (batch["position_ids"] == 0).cumsum(dim=1)  # (B, T): which packed sequence each token is in
+    last = sequence == sequence[:, -1:]  # (B, T): the tokens of each row's last sequence
+    last_is_padding = ~((batch["labels"] != IGNORE_INDEX) & last).any(dim=1)  # (B,)
+    return input_ids.numel() - int(last[last_is_padding].sum())
+
+
 def batched(rows: Iterable, n: int) -> Iterator[list]:
     """Lists of ``n`` consecutive items (the last one shorter); ``itertools.batched`` from Python 3.12 on."""
     rows = iter(rows)
@@ -428,11 +489,15 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None, to
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     with accelerator.main_process_first():
         if cfg.streaming:
-            train_blocks, eval_blocks = prepare_streaming(train, validation, tokenizer, cfg)
+            train_blocks, eval_blocks = prepare_streaming(
+                train, validation, tokenizer, Packing.of(cfg), cfg.streaming_validation_texts, cfg.max_eval_samples
+            )
             batches = StreamBatches(
                 train_blocks, cfg.per_device_train_batch_size, shuffle_buffer_size=cfg.shuffle_buffer_size, **shard
             )
         else:
-            train_blocks, eval_blocks = prepare_map_style(train, validation, tokenizer, cfg)
+            train_blocks, eval_blocks = prepare_map_style(
+                train, validation, tokenizer, Packing.of(cfg), cfg.validation_split_percentage
+            )
             batches = BlockBatches(train_blocks, cfg.per_device_train_batch_size, **shard)
     return tokenizer, batches, eval_blocks

@@ -19,96 +19,24 @@ weights and keeps the adapter in ``output_dir/adapter``.
 """
 
 import logging
-import math
 import pathlib
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from decoderlab import DecoderLabConfig
-from decoderlab.model_card import public_dataset_name, write_model_card
-from decoderlab.push import push_to_hub
+from decoderlab.model_card import public_dataset_name
 from training.args import parse_config
-from training.checkpointing import hardware_description, resolve_checkpoint, run_info, save_final_folder
+from training.checkpointing import resolve_checkpoint
 from training.finetune_args import FinetuneConfig
-from training.loop import TrainResult, make_accelerator, setup_script_logging, train
-from training.pretrain import summary
+from training.finish import finish_run
+from training.loop import make_accelerator, setup_script_logging, train
+from training.models import load_base_model, load_base_tokenizer
 from training.sft_data import prepare_finetune_data, set_chat_template
 
 logger = logging.getLogger("training.finetune")
-
-# Files that hold a vocabulary (tokenizer_config.json alone does not)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-# model_type -> the --from flag of decoderlab.convert
-CONVERTIBLE = {"llama": "llama", "gpt2": "gpt2", "gpt_neox": "neox"}
-
-
-# ----------------------------------------------------------------------------------------------
-# The base checkpoint
-
-
-def local_or_hub(name: str) -> str:
-    """An existing local folder as an absolute path (a saved adapter then finds its base from any directory)."""
-    path = pathlib.Path(name)
-    return str(path.resolve()) if path.is_dir() else name
-
-
-def load_base_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False):
-    """The tokenizer of a checkpoint folder or Hub id, or a ValueError saying it is missing and what to do."""
-    folder = pathlib.Path(name)
-    if folder.is_dir() and not any((folder / file).is_file() for file in TOKENIZER_FILES):
-        raise ValueError(
-            f"The checkpoint {name} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it (it holds "
-            f"{sorted(p.name for p in folder.iterdir())}). Save the tokenizer it was trained with into it "
-            "(tokenizer.save_pretrained), or pass --tokenizer_name with a tokenizer folder or Hub id."
-        )
-    try:
-        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"Could not load a tokenizer from {name!r} ({type(err).__name__}: {err}). Pass --tokenizer_name with "
-            "a folder holding tokenizer.json, or a Hub id (offline: a local folder)."
-        ) from err
-
-
-def load_base_model(
-    name: str, tokenizer: PreTrainedTokenizerBase, block_size: int, revision=None, trust_remote_code=False
-) -> PreTrainedModel:
-    """The decoderlab causal LM at ``name`` in float32 (mixed precision autocasts; AdamW keeps fp32 weights),
-    checked against the tokenizer and the block size before any training."""
-    try:
-        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"Could not load the base checkpoint {name!r} ({type(err).__name__}: {err}). Pass a folder holding "
-            "config.json and model.safetensors, or a Hub id (with --trust_remote_code where decoderlab is absent)."
-        ) from err
-    if config.model_type in CONVERTIBLE:
-        raise ValueError(
-            f"{name} is a {config.model_type} checkpoint. Convert it to decoderlab first, then fine-tune the result: "
-            f"python -m decoderlab.convert --from {CONVERTIBLE[config.model_type]} {name} out/{config.model_type}-dl"
-        )
-    if config.model_type != DecoderLabConfig.model_type:
-        raise ValueError(
-            f"{name} is a {config.model_type!r} checkpoint; finetune.py trains decoderlab models "
-            f"(and converts from {', '.join(CONVERTIBLE)} with python -m decoderlab.convert)."
-        )
-    if config.vocab_size < len(tokenizer):
-        raise ValueError(
-            f"The tokenizer has {len(tokenizer)} tokens but {name} embeds only vocab_size={config.vocab_size}: "
-            "it is not this model's tokenizer. Drop --tokenizer_name, or pass the one the model was trained with."
-        )
-    if config.position_embedding_type in ("learned", "sinusoidal") and config.max_position_embeddings < block_size:
-        raise ValueError(
-            f"block_size={block_size} is longer than the {config.max_position_embeddings} positions of {name}'s "
-            f"{config.position_embedding_type} position table. Lower --block_size to at most that."
-        )
-    return AutoModelForCausalLM.from_pretrained(
-        local_or_hub(name), config=config, revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32
-    )
 
 
 def lora_targets(model: nn.Module) -> list[str]:
@@ -143,15 +71,15 @@ def apply_lora(model: PreTrainedModel, cfg: FinetuneConfig):
 # The output
 
 
-def save_output(accelerator: Accelerator, result: TrainResult, tokenizer, cfg: FinetuneConfig, info: dict) -> None:
-    """The final folder: full weights (full fine-tuning, or LoRA merged), or the LoRA adapter alone."""
-    model = result.model
-    if cfg.use_lora and cfg.merge_lora:
-        adapter = accelerator.unwrap_model(model)
-        if accelerator.is_main_process:
-            adapter.save_pretrained(pathlib.Path(cfg.output_dir) / "adapter")
-        model = adapter.merge_and_unload()  # W + (alpha / r) B A in every adapted layer, adapters removed
-    save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
+def final_model(accelerator: Accelerator, model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
+    """What the output folder holds: every weight (full fine-tuning, or LoRA merged into them; the adapter
+    is then kept in ``output_dir/adapter``), or the LoRA adapter alone."""
+    if not (cfg.use_lora and cfg.merge_lora):
+        return model
+    adapter = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        adapter.save_pretrained(pathlib.Path(cfg.output_dir) / "adapter")
+    return adapter.merge_and_unload()  # W + (alpha / r) B A in every adapted layer, adapters removed
 
 
 def method(cfg: FinetuneConfig) -> str:
@@ -184,40 +112,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
     result = train(model, batches, eval_rows, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
-
-    save_output(accelerator, result, tokenizer, cfg, run_info(accelerator))
-    accelerator.end_training()
-    if not accelerator.is_main_process:
-        return
-    dataset = cfg.train_file or cfg.dataset_name
-    eval_loss = result.eval_metrics["eval_loss"]
-    training = summary(cfg, result, hardware_description(accelerator), accelerator.num_processes)
-    training.update(tokenizer="the base model's", data_format=cfg.data_format, method=method(cfg))
     adapter_only = cfg.use_lora and not cfg.merge_lora
-    write_model_card(
-        cfg.output_dir,
-        dataset=dataset,
+    scored = {"text": "tokens", "prompt_completion": "completion tokens", "chat": "assistant tokens"}[cfg.data_format]
+    finish_run(
+        accelerator,
+        result,
+        tokenizer,
+        cfg,
+        verb="Fine-tuned",
+        scored=f"validation {scored}",
+        next_step=f"Load it with AutoModelForCausalLM.from_pretrained({cfg.output_dir!r})"
+        + (" (peft installed: the adapter is applied to its base model)." if adapter_only else "."),
+        final_model=lambda model: final_model(accelerator, model, cfg),
+        training={"tokenizer": "the base model's", "data_format": cfg.data_format, "method": method(cfg)},
         base_model=public_dataset_name(cfg.model_name_or_path),  # a Hub id as is; a local folder by its name only
-        training=training,
-        eval_results={
-            "eval_loss": eval_loss,
-            "perplexity": math.exp(eval_loss),
-            "dataset": cfg.validation_file or dataset,
-            # a file is a split of its own (as training/evaluate.py records it, so a later run replaces this one)
-            **({} if cfg.validation_file else {"split": cfg.validation_split_name}),
-        },
         config=base_config if adapter_only else None,
     )
-    scored = {"text": "tokens", "prompt_completion": "completion tokens", "chat": "assistant tokens"}[cfg.data_format]
-    print(
-        f"Fine-tuned {result.state.step} steps ({method(cfg)}): train loss {result.train_loss:.4f}, validation loss "
-        f"{eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f}) over the validation {scored}.\n"
-        f"Saved to {cfg.output_dir}. Load it with AutoModelForCausalLM.from_pretrained({cfg.output_dir!r})"
-        + (" (peft installed: the adapter is applied to its base model)." if adapter_only else ".")
-    )
-    if cfg.push_to_hub:
-        url = push_to_hub(cfg.output_dir, cfg.hub_model_id, commit_message=f"Fine-tuned {result.state.step} steps")
-        print(f"Pushed {cfg.output_dir} to {url}")
 
 
 if __name__ == "__main__":

@@ -27,29 +27,40 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from decoderlab.model_card import METRICS_NAME, read_metrics  # the file's one reader (the card reads it too)
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
-from .checkpointing import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpointing import TrainState, list_checkpoints, load_checkpoint, read_state, save_checkpoint
+from .data import count_targets, real_tokens
 
 logger = logging.getLogger(__name__)
 
-METRICS_NAME = "metrics.jsonl"
-
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the run stopped without saving the damaged state."""
+    """The training loss became NaN or infinite; the run stopped without saving the damaged state.
+
+    ``history`` holds the metrics records logged before it (as ``TrainResult.history`` would).
+    """
+
+    def __init__(self, message: str, history: list[dict] | None = None):
+        super().__init__(message)
+        self.history = history if history is not None else []
 
 
-def make_accelerator(cfg: TrainConfig, cpu: bool = False) -> Accelerator:
-    """The Accelerator every script uses: accumulation, mixed precision and trackers from ``cfg``.
+def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accelerator:
+    """The Accelerator every script uses: accumulation, mixed precision and trackers from ``cfg`` (none of
+    them without one: evaluation).
 
     ``cpu=True`` on machines without an accelerator: Accelerate only turns processes started by
     ``torchrun`` into gloo data-parallel ranks when told it runs on CPU; otherwise each process would
     silently train its own copy of the model. ``cpu=True`` also forces the CPU where there is a GPU.
     """
+    cpu = cpu or not torch.accelerator.is_available()
+    if cfg is None:
+        return Accelerator(cpu=cpu)
     return Accelerator(
-        cpu=cpu or not torch.accelerator.is_available(),
+        cpu=cpu,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
         log_with=[name.strip() for name in cfg.report_to.split(",")] if cfg.with_tracking else None,
@@ -148,7 +159,7 @@ def evaluate(
         batch = {name: x[start : start + batch_size].long().to(accelerator.device) for name, x in rows.items()}
         labels = batch.setdefault("labels", batch["input_ids"])
         loss = model(**batch, use_cache=False).loss  # mean over the predicted tokens of the batch
-        n_predicted = (labels[:, 1:] != -100).sum().double()  # position t predicts labels[t + 1]
+        n_predicted = count_targets(labels).double()
         # a batch with nothing to predict has loss 0/0 = nan and weight 0: it adds nothing
         totals += torch.stack([torch.where(n_predicted > 0, loss.double() * n_predicted, 0.0), n_predicted])
     totals = accelerator.reduce(totals, reduction="sum")
@@ -162,7 +173,8 @@ def evaluate(
 
 
 class MetricsLog:
-    """``metrics.jsonl`` in the output folder (one JSON object per line) plus Accelerate's trackers.
+    """``metrics.jsonl`` in the output folder (one JSON object per line, read back by ``read_metrics``), the
+    same records in memory (``records``, on every process), and Accelerate's trackers.
 
     On resume, records after the resumed step are dropped: the resumed run writes them again.
     """
@@ -170,14 +182,16 @@ class MetricsLog:
     def __init__(self, output_dir, accelerator: Accelerator, with_tracking: bool, resume_step: int = 0):
         self.accelerator, self.with_tracking = accelerator, with_tracking
         self.path = pathlib.Path(output_dir) / METRICS_NAME
+        self.records: list[dict] = []
+        if resume_step and self.path.is_file():
+            self.records = [record for record in read_metrics(self.path) if record["step"] <= resume_step]
+        accelerator.wait_for_everyone()  # every process has read the file before the main one rewrites it
         if accelerator.is_main_process:
-            kept = []
-            if resume_step and self.path.is_file():
-                kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("".join(line + "\n" for line in kept))
+            self.path.write_text("".join(json.dumps(record) + "\n" for record in self.records))
 
     def log(self, record: dict) -> None:
+        self.records.append(record)
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -209,6 +223,8 @@ class TrainResult:
     state: TrainState
     train_loss: float | None  # mean of the last logging window
     eval_metrics: dict = field(default_factory=dict)  # the final evaluation over every validation block
+    already_finished: bool = False  # resumed from a checkpoint at or past max_train_steps: nothing was run
+    history: list[dict] = field(default_factory=list)  # every record of metrics.jsonl, the resumed run's before
 
 
 def train(
@@ -236,9 +252,13 @@ def train(
         show_progress: a tqdm bar (loss, tokens/s, ETA) on the main process.
 
     The caller saves what it needs, then calls ``accelerator.end_training()`` (closes the trackers and
-    the process group, after which processes can no longer wait for each other).
+    the process group, after which processes can no longer wait for each other). Resumed from a checkpoint
+    that already reached ``max_train_steps``, it returns at once with ``already_finished`` set, having
+    touched nothing (a finished run started again is left exactly as it was).
     """
     max_steps = num_training_steps(cfg, batches)
+    if resume_from is not None and (done := read_state(resume_from)).step >= max_steps:
+        return TrainResult(model, done, train_loss=None, already_finished=True)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, max_steps)
     if cfg.torch_compile:
@@ -251,9 +271,6 @@ def train(
     state = load_checkpoint(accelerator, resume_from) if resume_from is not None else TrainState()
     metrics = MetricsLog(cfg.output_dir, accelerator, cfg.with_tracking, resume_step=state.step)
     micro_batches = batches.iterate(start=state.step * cfg.gradient_accumulation_steps)
-    first_batch = next(micro_batches)
-    tokens_per_step = first_batch["input_ids"].numel() * cfg.gradient_accumulation_steps * accelerator.num_processes
-    micro_batches = _prepend(first_batch, micro_batches)
 
     bar = tqdm(
         total=max_steps,
@@ -263,31 +280,41 @@ def train(
         dynamic_ncols=True,
         disable=not (show_progress and accelerator.is_local_main_process),
     )
-    # The training window since the last log: summed loss (a tensor: no per-step synchronisation),
-    # micro-batches, optimizer steps and training time (evaluations and checkpoints excluded).
+    # The training window since the last log: summed loss (a tensor: no per-step synchronisation), real
+    # (non-padding) tokens of all processes, optimizer steps and training time (evaluations and checkpoints
+    # excluded). This process's tokens are summed over processes only when something is logged or saved
+    # (`new_tokens` until then).
     window_loss = torch.zeros((), device=accelerator.device)
-    window_batches, window_steps, window_time = 0, 0, 0.0
+    window_tokens, window_steps, window_time = 0, 0, 0.0
+    new_tokens = 0
     train_loss = None
     run_start, elapsed_before = time.perf_counter(), state.elapsed_s
     elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
     segment_start = time.perf_counter()
 
+    # A step's loss is the mean over every target of its micro-batches on every process (as transformers'
+    # Trainer does): each micro-batch's loss is its summed loss over that count (`num_items_in_batch`), so
+    # a short batch weighs as many targets as it has. Accelerate divides each loss by the accumulation steps
+    # and DDP averages the gradients over processes; `loss_scale` undoes both.
+    loss_scale = cfg.gradient_accumulation_steps * accelerator.num_processes
     model.train()
     while state.step < max_steps:
-        for _ in range(cfg.gradient_accumulation_steps):
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in next(micro_batches).items()}
+        step_batches = [next(micro_batches) for _ in range(cfg.gradient_accumulation_steps)]
+        targets = torch.stack([count_targets(batch["labels"]) for batch in step_batches]).sum()
+        num_items = accelerator.reduce(targets.to(accelerator.device), reduction="sum").clamp(min=1)  # all processes
+        for batch in step_batches:
+            new_tokens += real_tokens(batch)  # counted on the CPU copy: no device synchronisation
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             with accelerator.accumulate(model):
-                loss = model(**batch, use_cache=False).loss
-                accelerator.backward(loss)
+                loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+                accelerator.backward(loss * loss_scale)
                 if accelerator.sync_gradients and cfg.max_grad_norm is not None:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()  # Accelerate skips these until the last micro-batch of the step
                 optimizer.zero_grad(set_to_none=True)
-            window_loss += loss.detach()
-            window_batches += 1
+            window_loss += loss.detach()  # this process's share of the step's mean
         scheduler.step()
         state.step += 1
-        state.tokens += tokens_per_step
         window_steps += 1
         bar.update(1)
 
@@ -298,11 +325,13 @@ def train(
         if not (log_due or eval_due or checkpoint_due):
             continue
         window_time += time.perf_counter() - segment_start
+        new_tokens = int(accelerator.reduce(torch.tensor(new_tokens, device=accelerator.device), reduction="sum"))
+        state.tokens, window_tokens, new_tokens = state.tokens + new_tokens, window_tokens + new_tokens, 0
         if log_due or checkpoint_due:  # a checkpoint must never store a state whose loss went bad
-            train_loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
+            train_loss = accelerator.reduce(window_loss, reduction="sum").item() / window_steps  # mean per step
             if not math.isfinite(train_loss):
-                raise non_finite_error(train_loss, state.step, cfg)
-            tokens_per_s = round(tokens_per_step * window_steps / max(window_time, 1e-9))
+                raise non_finite_error(train_loss, state.step, cfg, metrics.records)
+            tokens_per_s = round(window_tokens / max(window_time, 1e-9))
             metrics.log(
                 {
                     "step": state.step,
@@ -315,7 +344,7 @@ def train(
             )
             bar.set_postfix(loss=f"{train_loss:.4f}", tokens_per_s=f"{tokens_per_s:,}", refresh=False)
             window_loss.zero_()
-            window_batches, window_steps, window_time = 0, 0, 0.0
+            window_tokens, window_steps, window_time = 0, 0, 0.0
         if eval_due:
             result = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator, cfg.max_eval_samples)
             metrics.log({"step": state.step, "tokens": state.tokens, **result, "elapsed_s": elapsed()})
@@ -333,7 +362,7 @@ def train(
 
     final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
     metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed()})
-    return TrainResult(model, state, train_loss, final)
+    return TrainResult(model, state, train_loss, final, history=metrics.records)
 
 
 def num_training_steps(cfg: TrainConfig, batches) -> int:
@@ -346,12 +375,7 @@ def num_training_steps(cfg: TrainConfig, batches) -> int:
     return cfg.num_train_epochs * max(1, per_epoch // cfg.gradient_accumulation_steps)
 
 
-def _prepend(first, rest):
-    yield first
-    yield from rest
-
-
-def non_finite_error(loss: float, step: int, cfg: TrainConfig) -> NonFiniteLossError:
+def non_finite_error(loss: float, step: int, cfg: TrainConfig, history: list[dict]) -> NonFiniteLossError:
     checkpoints = list_checkpoints(cfg.output_dir)
     last_good = (
         f"The last good checkpoint, {checkpoints[-1]}, is intact (nothing was saved after the loss went bad)."
@@ -362,5 +386,6 @@ def non_finite_error(loss: float, step: int, cfg: TrainConfig) -> NonFiniteLossE
         f"The training loss is {loss} at step {step}: training diverged, so the run stopped. {last_good} "
         f"Lower --learning_rate (now {cfg.learning_rate}), lengthen --num_warmup_steps (now {cfg.num_warmup_steps}) "
         f"or lower --max_grad_norm (now {cfg.max_grad_norm}), and start again, or resume from that checkpoint "
-        "with --resume_from_checkpoint latest to retry from there."
+        "with --resume_from_checkpoint latest to retry from there.",
+        history,
     )

@@ -1,6 +1,6 @@
 """Fine-tuning data: plain text, prompt/completion pairs or chat conversations, as rows of token ids and labels.
 
-The three formats (``cfg.data_format``) and the columns each needs:
+The three formats (``ExampleFormat.data_format``) and the columns each needs:
 
 - ``text``: ``text_column_name``. Continued pretraining: every token is a target. Packed, it is exactly
   the pretraining pipeline (``training.data.prepare_data``): texts concatenated and cut into blocks.
@@ -27,8 +27,10 @@ Rows are dicts of (N, T) tensors that ``training.data.BlockBatches`` batches and
 scores, so the rest of fine-tuning is the pretraining loop.
 """
 
+import dataclasses
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import datasets
 import numpy as np
@@ -36,12 +38,10 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
-from .data import BlockBatches, block_tensor, load_splits, pack, prepare_data
-from .finetune_args import FinetuneConfig
+from .data import IGNORE_INDEX, BlockBatches, Packing, block_tensor, load_splits, pack, prepare_data
+from .finetune_args import DATA_FORMATS, OVERLONG_PROMPT, FinetuneConfig
 
 logger = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100  # transformers' label for "no loss here"
 
 # The config fields naming the columns each format reads
 FORMAT_COLUMNS = {
@@ -63,19 +63,42 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class ExampleFormat:
+    """How a dataset's rows become training rows: the format and the columns it reads, the block, packing or
+    padding, and what to do with a prompt that fills the block (``FinetuneConfig``'s fields of these names;
+    ``ExampleFormat.of(cfg)`` takes them from any configuration that has them)."""
+
+    data_format: DATA_FORMATS = "text"
+    block_size: int = 256
+    text_column_name: str = "text"
+    prompt_column_name: str = "prompt"
+    completion_column_name: str = "completion"
+    messages_column_name: str = "messages"
+    packing: bool = True
+    overlong_prompt: OVERLONG_PROMPT = "truncate"
+
+    @classmethod
+    def of(cls, cfg) -> "ExampleFormat":
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+    def columns(self) -> list[str]:
+        return [getattr(self, field) for field in FORMAT_COLUMNS[self.data_format]]
+
+
 # ----------------------------------------------------------------------------------------------
 # Checking the data and the tokenizer
 
 
-def check_columns(split, cfg: FinetuneConfig, split_name: str) -> None:
-    """The split has every column ``cfg.data_format`` reads, or a ValueError naming what is missing and what exists."""
-    needed = [getattr(cfg, field) for field in FORMAT_COLUMNS[cfg.data_format]]
+def check_columns(split, fmt: ExampleFormat, split_name: str) -> None:
+    """The split has every column ``fmt.data_format`` reads, or a ValueError naming what is missing and what exists."""
+    needed = fmt.columns()
     columns = split.column_names or list(next(iter(split)).keys())  # a stream may not know them before reading
     missing = [name for name in needed if name not in columns]
     if missing:
-        flags = ", ".join(f"--{field}" for field in FORMAT_COLUMNS[cfg.data_format])
+        flags = ", ".join(f"--{field}" for field in FORMAT_COLUMNS[fmt.data_format])
         raise ValueError(
-            f"data_format={cfg.data_format!r} needs the column(s) {needed}, but the {split_name} split has no "
+            f"data_format={fmt.data_format!r} needs the column(s) {needed}, but the {split_name} split has no "
             f"{missing}; its columns are {columns}. Name the right columns with {flags}, or choose the format "
             "that fits the data: text (one text column), prompt_completion (a prompt and a completion column) "
             "or chat (a column of message lists)."
@@ -144,7 +167,7 @@ def check_messages(messages, column: str, index: int) -> None:
         )
 
 
-def tokenize_example(row: dict, tokenizer: PreTrainedTokenizerBase, cfg: FinetuneConfig, index: int) -> dict:
+def tokenize_example(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: ExampleFormat, index: int) -> dict:
     """``input_ids`` and ``labels`` (-100 where no loss is taken) of one example."""
 
     def encode(text: str, special_tokens: bool = False) -> list[int]:
@@ -158,15 +181,15 @@ def tokenize_example(row: dict, tokenizer: PreTrainedTokenizerBase, cfg: Finetun
             ) from err
 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if cfg.data_format == "text":
-        ids = encode(row[cfg.text_column_name]) + eos
+    if fmt.data_format == "text":
+        ids = encode(row[fmt.text_column_name]) + eos
         return {"input_ids": ids, "labels": ids}
-    if cfg.data_format == "prompt_completion":
-        prompt = encode(row[cfg.prompt_column_name], special_tokens=True)  # as a prompt is encoded at inference
-        completion = encode(row[cfg.completion_column_name]) + eos
+    if fmt.data_format == "prompt_completion":
+        prompt = encode(row[fmt.prompt_column_name], special_tokens=True)  # as a prompt is encoded at inference
+        completion = encode(row[fmt.completion_column_name]) + eos
         return {"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion}
-    messages = row[cfg.messages_column_name]
-    check_messages(messages, cfg.messages_column_name, index)
+    messages = row[fmt.messages_column_name]
+    check_messages(messages, fmt.messages_column_name, index)
     ids, labels = [], []
     for text, target in chat_segments(tokenizer, messages):
         piece = encode(text)
@@ -175,24 +198,31 @@ def tokenize_example(row: dict, tokenizer: PreTrainedTokenizerBase, cfg: Finetun
     return {"input_ids": ids, "labels": labels}
 
 
-def tokenize_examples(split: datasets.Dataset, tokenizer, cfg: FinetuneConfig, split_name: str) -> datasets.Dataset:
+def tokenize_examples(
+    split: datasets.Dataset,
+    tokenizer,
+    fmt: ExampleFormat,
+    split_name: str,
+    overwrite_cache: bool = False,
+    num_proc: int | None = None,
+) -> datasets.Dataset:
     """The split as ``input_ids``/``labels`` rows; ``datasets`` caches the result under a fingerprint of the
     split, the tokenizer (chat template included) and these settings."""
 
     def tokenize(batch: dict, indices: list[int]) -> dict:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        out = [tokenize_example(row, tokenizer, cfg, index) for row, index in zip(rows, indices)]
+        out = [tokenize_example(row, tokenizer, fmt, index) for row, index in zip(rows, indices)]
         return {"input_ids": [o["input_ids"] for o in out], "labels": [o["labels"] for o in out]}
 
-    columns = [getattr(cfg, field) for field in FORMAT_COLUMNS[cfg.data_format]]
+    columns = fmt.columns()
     return split.select_columns(columns).map(
         tokenize,
         batched=True,
         with_indices=True,
         remove_columns=columns,
-        load_from_cache_file=not cfg.overwrite_cache,
-        num_proc=cfg.preprocessing_num_workers,
-        desc=f"Tokenizing {split_name} ({cfg.data_format})",
+        load_from_cache_file=not overwrite_cache,
+        num_proc=num_proc,
+        desc=f"Tokenizing {split_name} ({fmt.data_format})",
     )
 
 
@@ -200,7 +230,7 @@ def tokenize_examples(split: datasets.Dataset, tokenizer, cfg: FinetuneConfig, s
 # Fitting examples into blocks
 
 
-def fit_examples(examples: datasets.Dataset, cfg: FinetuneConfig, split_name: str) -> list[tuple[list, list]]:
+def fit_examples(examples: datasets.Dataset, fmt: ExampleFormat, split_name: str) -> list[tuple[list, list]]:
     """(input_ids, labels) of every example, at most ``block_size`` tokens long, each with a target to learn.
 
     A prompt (the tokens before the first target) of ``block_size`` tokens or more leaves no room for its
@@ -209,7 +239,7 @@ def fit_examples(examples: datasets.Dataset, cfg: FinetuneConfig, split_name: st
     warning). An example with no target after its first token (an empty completion, a conversation
     without an assistant turn) teaches nothing and is dropped (a warning).
     """
-    block, keep = cfg.block_size, cfg.block_size // 2
+    block, keep = fmt.block_size, fmt.block_size // 2
     fitted, long_prompts, cut, empty = [], [], 0, 0
     for index, (ids, labels) in enumerate(zip(examples["input_ids"], examples["labels"])):
         targets = np.flatnonzero(np.asarray(labels) != IGNORE_INDEX)
@@ -230,7 +260,7 @@ def fit_examples(examples: datasets.Dataset, cfg: FinetuneConfig, split_name: st
             f"{len(long_prompts)} of {n} {split_name} examples have a prompt of block_size={block} tokens or more "
             f"(the longest, example {at}, has {longest}), so none of their completion fits in a block"
         )
-        if cfg.overlong_prompt == "refuse":
+        if fmt.overlong_prompt == "refuse":
             raise ValueError(
                 f"{what}. Raise --block_size, shorten those prompts, or pass --overlong_prompt truncate to keep "
                 f"the last {keep} tokens of each."
@@ -243,7 +273,7 @@ def fit_examples(examples: datasets.Dataset, cfg: FinetuneConfig, split_name: st
     if not fitted:
         raise ValueError(
             f"No {split_name} example has a target token to learn (completions or assistant messages). "
-            f"Check the data and data_format={cfg.data_format!r}."
+            f"Check the data and data_format={fmt.data_format!r}."
         )
     return fitted
 
@@ -287,21 +317,23 @@ def pad_examples(examples: list[tuple[list, list]], block_size: int, pad_id: int
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def example_rows(
-    examples: datasets.Dataset, tokenizer, cfg: FinetuneConfig, split_name: str
-) -> dict[str, torch.Tensor]:
-    """Tokenized examples fitted to the block, then packed or padded as ``cfg.packing`` says."""
-    fitted = fit_examples(examples, cfg, split_name)
-    arrange = pack_examples if cfg.packing else pad_examples
-    return arrange(fitted, cfg.block_size, pad_token_id(tokenizer))
+def example_rows(examples: datasets.Dataset, tokenizer, fmt: ExampleFormat, split_name: str) -> dict[str, torch.Tensor]:
+    """Tokenized examples fitted to the block, then packed or padded as ``fmt.packing`` says."""
+    fitted = fit_examples(examples, fmt, split_name)
+    arrange = pack_examples if fmt.packing else pad_examples
+    return arrange(fitted, fmt.block_size, pad_token_id(tokenizer))
 
 
-def rows_for_split(split: datasets.Dataset, tokenizer, cfg: FinetuneConfig, split_name: str):
-    """A whole split as model inputs: packed text blocks (N, T), or a dict of (N, T) example rows."""
-    check_columns(split, cfg, split_name)
-    if cfg.data_format == "text" and cfg.packing:
-        return block_tensor(pack(split, tokenizer, cfg, split_name))
-    return example_rows(tokenize_examples(split, tokenizer, cfg, split_name), tokenizer, cfg, split_name)
+def rows_for_split(
+    split: datasets.Dataset, tokenizer, fmt: ExampleFormat, split_name: str, documents: bool = True, **cache
+):
+    """A whole split as model inputs: packed text blocks (N, T) (``documents``: see ``data.Packing``), or a
+    dict of (N, T) example rows. ``cache``: ``overwrite_cache`` and ``num_proc`` for ``datasets.map``."""
+    check_columns(split, fmt, split_name)
+    if fmt.data_format == "text" and fmt.packing:
+        packing = Packing(fmt.block_size, fmt.text_column_name, documents, **cache)
+        return block_tensor(pack(split, tokenizer, packing, split_name))
+    return example_rows(tokenize_examples(split, tokenizer, fmt, split_name, **cache), tokenizer, fmt, split_name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,12 +364,16 @@ def prepare_finetune_data(cfg: FinetuneConfig, accelerator: Accelerator, tokeniz
     if cfg.data_format == "text" and cfg.packing:
         _, batches, eval_blocks = prepare_data(cfg, accelerator, tokenizer=tokenizer)
         return batches, eval_blocks
+    fmt, cache = (
+        ExampleFormat.of(cfg),
+        dict(overwrite_cache=cfg.overwrite_cache, num_proc=cfg.preprocessing_num_workers),
+    )
     with accelerator.main_process_first():
         train, validation = load_splits(cfg)
-        check_columns(train, cfg, "train")
+        check_columns(train, fmt, "train")
         if validation is not None:
-            check_columns(validation, cfg, "validation")
-        train_examples = tokenize_examples(train, tokenizer, cfg, "train")
+            check_columns(validation, fmt, "validation")
+        train_examples = tokenize_examples(train, tokenizer, fmt, "train", **cache)
         if validation is None:
             n = len(train_examples)
             n_validation = max(1, round(n * cfg.validation_split_percentage / 100))
@@ -347,9 +383,9 @@ def prepare_finetune_data(cfg: FinetuneConfig, accelerator: Accelerator, tokeniz
             validation_examples = train_examples.select(range(n - n_validation, n))
             train_examples = train_examples.select(range(n - n_validation))
         else:
-            validation_examples = tokenize_examples(validation, tokenizer, cfg, "validation")
-        train_rows = example_rows(train_examples, tokenizer, cfg, "train")
-        eval_rows = example_rows(validation_examples, tokenizer, cfg, "validation")
+            validation_examples = tokenize_examples(validation, tokenizer, fmt, "validation", **cache)
+        train_rows = example_rows(train_examples, tokenizer, fmt, "train")
+        eval_rows = example_rows(validation_examples, tokenizer, fmt, "validation")
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     batches_class = BlockBatches if cfg.packing else TrimmedBatches
     return batches_class(train_rows, cfg.per_device_train_batch_size, **shard), eval_rows

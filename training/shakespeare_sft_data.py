@@ -14,12 +14,12 @@ Every character comes from the play, so a character-level model pretrained on it
 (with decoderlab's default chat template, whose role names are plain capitals).
 """
 
-import argparse
 import json
 import pathlib
+from dataclasses import dataclass
 
-from training.args import TrainConfig
-from training.data import load_named_dataset
+from training.args import Config, option, parse_config
+from training.data import load_named_dataset, tiny_shakespeare
 
 DATA_FORMATS = ("prompt_completion", "chat")
 
@@ -58,14 +58,21 @@ def write_speech_data(texts: dict[str, str], output_dir) -> pathlib.Path:
     return output_dir
 
 
+@dataclass
+class SpeechDataConfig(Config):
+    """Write speaker -> first-line fine-tuning data from Tiny Shakespeare."""
+
+    dataset_name: str | None = option(
+        None, "Hub id or local folder (default: the copy beside the checkout, else the Hub's)"
+    )
+    output_dir: str = option("out/data/shakespeare_speeches", "where the .jsonl files go")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write speaker -> first-line fine-tuning data from Tiny Shakespeare.")
-    parser.add_argument("--dataset_name", default="../shared/data/tiny_shakespeare", help="Hub id or local folder")
-    parser.add_argument("--output_dir", default="out/data/shakespeare_speeches")
-    args = parser.parse_args(argv)
-    splits = load_named_dataset(TrainConfig(dataset_name=args.dataset_name))  # its clear error when not found
+    cfg = parse_config(SpeechDataConfig, argv)
+    splits = load_named_dataset(cfg.dataset_name or tiny_shakespeare())  # its clear error when not found
     texts = {split: "".join(splits[split]["text"]) for split in ("train", "validation")}
-    folder = write_speech_data(texts, args.output_dir)
+    folder = write_speech_data(texts, cfg.output_dir)
     for split, text in texts.items():
         print(f"{split}: {len(speeches(text))} speeches -> {folder}/{{{','.join(DATA_FORMATS)}}}_{split}.jsonl")
 

@@ -1,0 +1,107 @@
+"""The end of every training script: the final folder, the model card, one summary on the console, the upload.
+
+    result = train(model, batches, eval_rows, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
+    finish_run(accelerator, result, tokenizer, cfg, verb="Pretrained", next_step="Sample from it: ...")
+
+A run resumed at its last step has nothing to add (``TrainResult.already_finished``): ``finish_run`` then
+says so and leaves the folder exactly as it is.
+"""
+
+import math
+from collections.abc import Callable
+
+from accelerate import Accelerator
+from torch import nn
+
+from decoderlab.model_card import write_model_card
+from decoderlab.push import push_to_hub
+
+from .args import TrainConfig
+from .checkpointing import hardware_description, run_info, save_final_folder
+from .loop import TrainResult
+
+
+def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes: int) -> dict:
+    """The recipe as the model card shows it."""
+    state = result.state
+    return {
+        "steps": state.step,
+        "tokens": state.tokens,
+        "batch_size": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes,
+        "block_size": cfg.block_size,
+        "learning_rate": cfg.learning_rate,
+        "precision": "fp32" if cfg.mixed_precision == "no" else f"{cfg.mixed_precision} autocast",
+        "hardware": hardware,
+        "wall_time_s": round(state.elapsed_s, 1),
+        "final_train_loss": result.train_loss,
+        "final_eval_loss": result.eval_metrics["eval_loss"],
+        "tokenizer": cfg.tokenizer_type if cfg.tokenizer_type != "pretrained" else cfg.tokenizer_name,
+        "prompt": cfg.sample_prompt,
+    }
+
+
+def evaluation_context(cfg: TrainConfig) -> dict:
+    """What the validation loss was measured on, as the model card records it: a validation file is a split
+    of its own (as ``training/evaluate.py`` records it, so that a later evaluation replaces this one)."""
+    if cfg.validation_file is not None:
+        return {"dataset": cfg.validation_file}
+    return {"dataset": cfg.train_file or cfg.dataset_name, "split": cfg.validation_split_name}
+
+
+def finish_run(
+    accelerator: Accelerator,
+    result: TrainResult,
+    tokenizer,
+    cfg: TrainConfig,
+    *,
+    verb: str,
+    next_step: str,
+    scored: str = "validation tokens",
+    final_model: Callable[[nn.Module], nn.Module] | None = None,
+    training: dict | None = None,
+    **card,
+) -> None:
+    """Save ``output_dir`` (weights, tokenizer, configuration, run information), write its model card, print
+    one summary and push it when ``cfg.push_to_hub``; every process calls it.
+
+    Args:
+        verb: how the summary starts, e.g. "Pretrained" ("Pretrained 2000 steps (...)").
+        next_step: the summary's last sentence, e.g. how to sample from or load the result.
+        scored: what the validation loss is the mean over, e.g. "completion tokens".
+        final_model: from the trained (prepared) model to the one to save, e.g. LoRA merged into the weights;
+            default: the trained model itself.
+        training: recipe facts for the card beyond ``summary``'s (they win over its keys); a ``method`` (e.g.
+            "LoRA r=8, ...") is also printed.
+        card: more ``write_model_card`` arguments (``base_model``, ``config``).
+    """
+    if result.already_finished:
+        if accelerator.is_main_process:
+            limit = "" if cfg.max_train_steps is None else f" (max_train_steps={cfg.max_train_steps})"
+            print(
+                f"{cfg.output_dir} already finished at step {result.state.step}{limit}: nothing to do, the folder "
+                "is left as it was. Raise --max_train_steps to train on from there."
+            )
+        return
+    model = result.model if final_model is None else final_model(result.model)
+    save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), run_info(accelerator))
+    accelerator.end_training()
+    if not accelerator.is_main_process:
+        return
+    state, eval_loss = result.state, result.eval_metrics["eval_loss"]
+    recipe = {**summary(cfg, result, hardware_description(accelerator), accelerator.num_processes), **(training or {})}
+    write_model_card(
+        cfg.output_dir,
+        dataset=cfg.train_file or cfg.dataset_name,
+        training=recipe,
+        eval_results={"eval_loss": eval_loss, "perplexity": math.exp(eval_loss), **evaluation_context(cfg)},
+        **card,
+    )
+    how = f", {recipe['method']}" if "method" in recipe else ""
+    print(
+        f"{verb} {state.step} steps ({state.tokens:,} tokens{how}) in {state.elapsed_s:.1f} s: train loss "
+        f"{result.train_loss:.4f}, validation loss {eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f}) over the "
+        f"{scored}.\nSaved to {cfg.output_dir}. {next_step}"
+    )
+    if cfg.push_to_hub:
+        url = push_to_hub(cfg.output_dir, cfg.hub_model_id, commit_message=f"{verb} {state.step} steps")
+        print(f"Pushed {cfg.output_dir} to {url}")

@@ -1,0 +1,125 @@
+"""The model and tokenizer a run trains: a fresh decoderlab model, or a checkpoint with its own tokenizer.
+
+- ``build_model(fields, tokenizer, block_size)``: a new ``DecoderLabForCausalLM`` from ``DecoderLabConfig``
+  fields, its vocabulary the tokenizer's (pretraining from scratch, the experiments).
+- ``load_base_tokenizer(name)`` and ``load_base_model(name, tokenizer, block_size)``: an existing decoderlab
+  checkpoint (a folder or a Hub id) and the tokenizer it was trained with (continued pretraining,
+  fine-tuning, evaluation).
+- ``check_model_fits``: the checks every run makes before its first step, that the model can embed every
+  token of the tokenizer and has a position for every token of a block.
+"""
+
+import pathlib
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+
+# Files that hold a vocabulary (tokenizer_config.json alone does not)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# model_type -> the --from flag of decoderlab.convert
+CONVERTIBLE = {"llama": "llama", "gpt2": "gpt2", "gpt_neox": "neox"}
+FIXED_POSITION_TABLES = ("learned", "sinusoidal")  # one embedding per position, up to max_position_embeddings
+
+
+def check_model_fits(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, block_size: int, name: str) -> None:
+    """A ValueError unless the model ``name`` embeds every token id of ``tokenizer`` and, with a position table
+    (learned or sinusoidal), has an entry for each of ``block_size`` positions. RoPE and no positions have
+    no such limit."""
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but {name} embeds only vocab_size={config.vocab_size}: "
+            "some token ids would have no embedding. Use the tokenizer the model was trained with, or, for a new "
+            "model, leave model.vocab_size unset (it follows the tokenizer) or make it at least that large."
+        )
+    position_type = getattr(config, "position_embedding_type", None)
+    if position_type in FIXED_POSITION_TABLES and config.max_position_embeddings < block_size:
+        raise ValueError(
+            f"block_size={block_size} is longer than the {config.max_position_embeddings} positions of {name}'s "
+            f"{position_type} position table (max_position_embeddings). Lower --block_size to at most that, or, "
+            "for a new model, raise model.max_position_embeddings."
+        )
+
+
+def set_sampling_defaults(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Sampling defaults for ``generate()`` and pipelines (nanoGPT's sample.py uses temperature 0.8)."""
+    generation = model.generation_config
+    generation.do_sample, generation.temperature, generation.top_k, generation.max_new_tokens = True, 0.8, 200, 256
+    generation.pad_token_id = generation.eos_token_id = tokenizer.eos_token_id
+
+
+def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: int) -> DecoderLabForCausalLM:
+    """A fresh ``DecoderLabForCausalLM`` of ``DecoderLabConfig(**fields)``, with sampling defaults.
+
+    The vocabulary defaults to the tokenizer's and may be larger (padding to a multiple of 64 is a common
+    speed trick), never smaller; ``max_position_embeddings`` defaults to ``block_size``; the special tokens
+    default to the tokenizer's.
+    """
+    fields = {"vocab_size": len(tokenizer), "max_position_embeddings": block_size, **fields}
+    fields.setdefault("eos_token_id", tokenizer.eos_token_id)
+    fields.setdefault("bos_token_id", tokenizer.bos_token_id)
+    config = DecoderLabConfig(**fields)
+    check_model_fits(config, tokenizer, block_size, "the model")
+    model = DecoderLabForCausalLM(config)
+    set_sampling_defaults(model, tokenizer)
+    return model
+
+
+def local_or_hub(name: str) -> str:
+    """An existing local folder as an absolute path (a saved adapter then finds its base from any directory)."""
+    path = pathlib.Path(name)
+    return str(path.resolve()) if path.is_dir() else name
+
+
+def load_base_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False):
+    """The tokenizer of a checkpoint folder or Hub id, or a ValueError saying it is missing and what to do."""
+    folder = pathlib.Path(name)
+    if folder.is_dir() and not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        raise ValueError(
+            f"The checkpoint {name} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in it (it holds "
+            f"{sorted(p.name for p in folder.iterdir())}). Save the tokenizer it was trained with into it "
+            "(tokenizer.save_pretrained), or pass --tokenizer_name with a tokenizer folder or Hub id."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"Could not load a tokenizer from {name!r} ({type(err).__name__}: {err}). Pass --tokenizer_name with "
+            "a folder holding tokenizer.json, or a Hub id (offline: a local folder)."
+        ) from err
+
+
+def load_base_model(
+    name: str, tokenizer: PreTrainedTokenizerBase, block_size: int, revision=None, trust_remote_code=False
+) -> PreTrainedModel:
+    """The decoderlab causal LM at ``name`` in float32 (mixed precision autocasts; AdamW keeps fp32 weights),
+    checked against the tokenizer and the block size before any training."""
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"Could not load the base checkpoint {name!r} ({type(err).__name__}: {err}). Pass a folder holding "
+            "config.json and model.safetensors, or a Hub id (with --trust_remote_code where decoderlab is absent)."
+        ) from err
+    if config.model_type in CONVERTIBLE:
+        raise ValueError(
+            f"{name} is a {config.model_type} checkpoint. Convert it to decoderlab first, then train the result: "
+            f"python -m decoderlab.convert --from {CONVERTIBLE[config.model_type]} {name} out/{config.model_type}-dl"
+        )
+    if config.model_type != DecoderLabConfig.model_type:
+        raise ValueError(
+            f"{name} is a {config.model_type!r} checkpoint; the training scripts train decoderlab models "
+            f"(and convert from {', '.join(CONVERTIBLE)} with python -m decoderlab.convert)."
+        )
+    check_model_fits(config, tokenizer, block_size, name)
+    return AutoModelForCausalLM.from_pretrained(
+        local_or_hub(name), config=config, revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32
+    )
