@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import warnings
 
 import torch
 import transformers
@@ -70,12 +71,20 @@ def accepts_past_key_values(method):
     arrive, even ``cache=None``: before 5.24 GenerationMixin's prepare_inputs_for_generation passes the cache as
     ``past_key_values`` and forwards every other keyword it is given, so an override handing it ``cache=None``
     made forward drop the real cache; decoding then ran without the past, with no error and different tokens.
+    From 5.24, where ``cache`` is the name, the old one warns as transformers' models warn.
     """
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         if "past_key_values" in kwargs:
             past_key_values = kwargs.pop("past_key_values")
+            if GENERATE_CACHE_KWARG == "cache" and past_key_values is not None:
+                warnings.warn(
+                    f"`past_key_values` is deprecated for `{method.__qualname__}` since transformers 5.24. "
+                    "Use `cache` instead.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
             if kwargs.get("cache") is None:
                 kwargs["cache"] = past_key_values
             elif past_key_values is not None and past_key_values is not kwargs["cache"]:

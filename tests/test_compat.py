@@ -22,14 +22,16 @@ def test_supported_transformers_passes(version):
 
 def test_a_cache_passed_as_past_key_values_arrives_as_cache():
     """generate() before 5.24 passes the cache as past_key_values, and may pass cache=None beside it: the real
-    cache is kept; two different caches are refused rather than one silently dropped."""
+    cache is kept (under 5.24, with transformers' deprecation warning); two different caches are refused rather
+    than one silently dropped."""
 
     @accepts_past_key_values
     def forward(x, cache=None):
         return cache
 
     real = object()
-    assert forward(torch.zeros(1), past_key_values=real) is real
+    with pytest.warns(FutureWarning, match="`past_key_values` is deprecated"):  # cache is the name in 5.24
+        assert forward(torch.zeros(1), past_key_values=real) is real
     assert forward(torch.zeros(1), past_key_values=real, cache=None) is real
     assert forward(torch.zeros(1), cache=real, past_key_values=None) is real
     assert forward(torch.zeros(1), cache=real, past_key_values=real) is real
