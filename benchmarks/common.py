@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -277,6 +279,16 @@ def interleaved_medians(
 def load_average() -> float:
     """The 1-minute load average: how busy the machine was while a figure was taken."""
     return os.getloadavg()[0]
+
+
+def cpu_features() -> list[str]:
+    """The CPU's vector and matrix extensions that decide which kernels oneDNN and MKL run (AVX2, AVX-512,
+    its BF16 part, AMX), from /proc/cpuinfo's flags."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    flags = re.findall(r"flags\s*:\s*(.+)", cpuinfo.read_text()) if cpuinfo.is_file() else []
+    return sorted(
+        f for f in (flags[0].split() if flags else []) if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx"))
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks.common import cpu_features
+from training.checkpointing import cpu_model
 from training.data import tiny_shakespeare
 from training.loop import METRICS_NAME, read_metrics
 
@@ -65,8 +67,7 @@ def main() -> None:
     parser.add_argument("--dataset_name", default=tiny_shakespeare())
     parser.add_argument("--json_out", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    flags = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path("/proc/cpuinfo").exists() else set()
-    print(f"CPU bf16 instructions: {sorted(f for f in flags if 'bf16' in f) or 'none found'}")
+    print(f"CPU: {cpu_model()}; bf16 instructions: {[f for f in cpu_features() if 'bf16' in f] or 'none found'}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
     results = {}
