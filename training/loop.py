@@ -279,6 +279,7 @@ def train(
         desc="training",
         unit="step",
         dynamic_ncols=True,
+        mininterval=1.0,  # redrawn once a second: drawing costs about a millisecond, a small model's step tens
         disable=not (show_progress and accelerator.is_local_main_process),
     )
     # The training window since the last log: summed loss (a tensor: no per-step synchronisation), real
