@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
+import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from benchmarks.reference_nanogpt import NanoGPT, NanoGPTConfig, NanoGPTRecipe, make_optimizer
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.convert import FROM, decoderlab_config_from_gpt2, llama_config_from_decoderlab
+from training.checkpointing import cpu_model
 
 
 @dataclass(frozen=True)
@@ -281,22 +283,20 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def cpu_name() -> str:
-    """The processor's model name: figures from one CPU do not carry over to another."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpu_features() -> list[str]:
+    """The CPU's vector and matrix extensions that decide which kernels oneDNN and MKL run (AVX2, AVX-512,
+    its BF16 part, AMX), from /proc/cpuinfo's flags."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    flags = re.findall(r"flags\s*:\s*(.+)", cpuinfo.read_text()) if cpuinfo.is_file() else []
+    return sorted(
+        f for f in (flags[0].split() if flags else []) if f.startswith(("avx2", "avx512f", "avx512_bf16", "amx"))
+    )
 
 
 def machine_line(threads: int) -> str:
     """One line naming what a benchmark ran on, printed by every benchmark before its figures."""
     return (
-        f"CPU: {cpu_name()} ({os.cpu_count()} cores, {threads} threads), torch {torch.__version__}, "
+        f"CPU: {cpu_model()} ({os.cpu_count()} cores, {threads} threads), torch {torch.__version__}, "
         f"transformers {transformers.__version__}, load {load_average():.1f}"
     )
 

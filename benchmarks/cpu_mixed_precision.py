@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import machine_line
+from benchmarks.common import cpu_features, machine_line
 from training.data import tiny_shakespeare
 from training.loop import METRICS_NAME, read_metrics
 
@@ -66,9 +66,8 @@ def main() -> None:
     parser.add_argument("--dataset_name", default=tiny_shakespeare())
     parser.add_argument("--json_out", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    flags = set(pathlib.Path("/proc/cpuinfo").read_text().split()) if pathlib.Path("/proc/cpuinfo").exists() else set()
     print(machine_line(args.num_threads))
-    print(f"CPU bf16 instructions: {sorted(f for f in flags if 'bf16' in f) or 'none found'}")
+    print(f"CPU bf16 instructions: {[f for f in cpu_features() if 'bf16' in f] or 'none found'}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
     results = {}

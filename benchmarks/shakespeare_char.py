@@ -21,7 +21,7 @@ For each it reports:
   the same function for both models);
 - the ratios ours / nanoGPT of both wall times.
 
-The CPU model, the threads, and the load average before and after are printed and saved too: with two
+The CPU model, the threads, and the 1-minute load average before and after are printed and saved too: with two
 threads per process, any other busy process makes PyTorch's OpenMP threads wait for each other and a run
 several times slower (seen here: 3-25x), so only figures taken on an idle machine compare across runs;
 the ratio from one invocation compares the recipes under the same conditions.
@@ -31,8 +31,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -43,7 +41,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
+from benchmarks.common import cpu_features, load_average
 from benchmarks.reference_nanogpt import load_char_data, windowed_val_loss
+from training.checkpointing import cpu_model
 from training.data import tiny_shakespeare
 from training.loop import METRICS_NAME, read_metrics
 
@@ -51,28 +51,6 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
 BLOCK_SIZE = 64
 TARGET_LOSS = 1.65  # what the default recipe must reach, in no more time than nanoGPT's
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``lscpu``'s "Model name", from /proc/cpuinfo), e.g. 'Intel(R) Xeon(R) Processor'."""
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = re.findall(r"model name\s*:\s*(.+)", cpuinfo.read_text())
-        if names:
-            return names[0].strip()
-    return platform.processor() or platform.machine()
-
-
-def cpu_features() -> list[str]:
-    """The instruction-set extensions that decide which kernels oneDNN / MKL pick (AVX-512, AMX, BF16)."""
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    flags = set(re.findall(r"flags\s*:\s*(.+)", cpuinfo.read_text())[0].split()) if cpuinfo.is_file() else set()
-    return sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))
-
-
-def load_average() -> list[float]:
-    """The 1-, 5- and 15-minute load averages."""
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def timed(command: list[str], threads: int) -> float:
@@ -154,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         "num_threads": args.num_threads,
         "torch": torch.__version__,
         "dataset": pathlib.Path(dataset).name,
-        "load_average_before": load_average(),
+        "load_average_before": round(load_average(), 2),
     }
     print(f"CPU: {results['cpu']} ({', '.join(results['cpu_features'])}); {args.num_threads} threads per run")
     print(f"load average before: {results['load_average_before']}", flush=True)
@@ -168,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 runs["nanogpt"].append(reference)
             runs["ours"].append(run_ours(dataset, output_dir, args.num_threads, args.pretrain_args))
-    results["load_average_after"] = load_average()
+    results["load_average_after"] = round(load_average(), 2)
     print(f"load average after:  {results['load_average_after']}\n")
     results.update({name: median_run(measured) for name, measured in runs.items() if measured})
 

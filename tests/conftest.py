@@ -57,6 +57,17 @@ def _few_threads():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def one_thread():
+    """One thread, for tests that train (and subprocesses started with the same setting): a tiny model gains
+    nothing from more, and on a busy machine two OpenMP threads per process spin-wait for each other and run
+    20x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from the same random state, so a failure reproduces."""

@@ -164,7 +164,10 @@ def test_checkpoint_missing_a_decoder_weight_loads_it_initialized_and_reports_it
     assert set(info["missing_keys"]) == {"model.layers.1.mlp.up_proj.weight"}
     assert "model.layers.1.mlp.up_proj.weight" in caplog.text
     up = model.model.layers[1].mlp.up_proj.weight
-    assert torch.isfinite(up).all() and 0.5 * model.config.initializer_range < up.std() < 2 * model.config.initializer_range
+    assert (
+        torch.isfinite(up).all()
+        and 0.5 * model.config.initializer_range < up.std() < 2 * model.config.initializer_range
+    )
     for name, tensor in tensors.items():
         torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
 

@@ -92,7 +92,7 @@ def test_shakespeare_char_reports_both_wall_times_the_cpu_and_the_ratios(tmp_pat
     shakespeare_char.main(["--reference_max_iters", "20", "--num_threads", "1", "--json_out", str(out), "--",
                            "--max_train_steps", "20", "--eval_steps", "none", "--checkpointing_steps", "none"])  # fmt: skip
     result = json.loads(out.read_text())
-    assert result["cpu"] and result["num_threads"] == 1 and len(result["load_average_before"]) == 3
+    assert result["cpu"] and result["num_threads"] == 1 and result["load_average_before"] >= 0
     for name in ("ours", "nanogpt"):
         r = result[name]
         assert 0 < r["loop_s"] < r["command_s"], name

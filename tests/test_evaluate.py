@@ -13,15 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from huggingface_hub import ModelCard
-from test_finetune import save_checkpoint_folder, tiny_config
-from test_pretrain_training import _one_thread  # noqa: F401  (autouse: one thread, as in the other training tests)
 
 import decoderlab
 from tests.paths import INPUT_TXT, REPO_ROOT, SHARED_DATA
+from tests.training_runs import char_model_config, save_checkpoint_folder
 from training import evaluate
 from training.data import train_char_tokenizer
 
 LM_EVAL_TASK = REPO_ROOT / "training" / "lm_eval_tasks" / "tiny_shakespeare.yaml"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # as in the other training tests
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def corpus() -> str:
 def checkpoint(tmp_path, corpus, randomize):
     """A tiny decoderlab checkpoint whose weights are re-drawn so that losses are O(1) and differ per token."""
     tokenizer = train_char_tokenizer([corpus])
-    model = randomize(decoderlab.DecoderLabForCausalLM(tiny_config(tokenizer)))
+    model = randomize(decoderlab.DecoderLabForCausalLM(char_model_config(tokenizer)))
     return save_checkpoint_folder(model, tokenizer, tmp_path / "checkpoint")
 
 

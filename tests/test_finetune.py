@@ -20,14 +20,6 @@ import torch
 from huggingface_hub import ModelCard
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from test_pretrain_training import (  # the pretraining tests' helpers, shared
-    _one_thread,  # noqa: F401  (autouse: one thread here and in the subprocess, the same arithmetic)
-    final_eval_loss,
-    folder_snapshot,
-    kill_when_saved,
-    subprocess_env,
-    train_losses,
-)
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -39,6 +31,15 @@ from transformers import (
 
 import decoderlab
 from tests.paths import INPUT_TXT, REPO_ROOT
+from tests.training_runs import (
+    char_model_config,
+    final_eval_loss,
+    folder_snapshot,
+    kill_when_saved,
+    save_checkpoint_folder,
+    subprocess_env,
+    train_losses,
+)
 from training import evaluate, finetune
 from training.data import train_char_tokenizer
 from training.finetune_args import FinetuneConfig
@@ -47,27 +48,12 @@ from training.shakespeare_sft_data import write_speech_data
 
 FINETUNE = REPO_ROOT / "training" / "finetune.py"
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # here and in the subprocesses: the same arithmetic
+
 
 @pytest.fixture(scope="module")
 def corpus() -> str:
     return INPUT_TXT.read_text(encoding="utf-8")
-
-
-def tiny_config(tokenizer, max_position_embeddings: int = 128) -> decoderlab.DecoderLabConfig:
-    """2 layers x 32 wide x 2 heads over the tokenizer's vocabulary."""
-    return decoderlab.DecoderLabConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=max_position_embeddings,
-    )
-
-
-def save_checkpoint_folder(model, tokenizer, folder: pathlib.Path) -> pathlib.Path:
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +61,7 @@ def base_checkpoint(tmp_path_factory, corpus) -> pathlib.Path:
     """A freshly initialised tiny decoderlab model with a character tokenizer, saved like a pretraining output."""
     tokenizer = train_char_tokenizer([corpus])
     torch.manual_seed(0)
-    model = decoderlab.DecoderLabForCausalLM(tiny_config(tokenizer))
+    model = decoderlab.DecoderLabForCausalLM(char_model_config(tokenizer))
     return save_checkpoint_folder(model, tokenizer, tmp_path_factory.mktemp("base"))
 
 
@@ -293,7 +279,7 @@ def test_transformers_trainer_and_peft_train_a_decoderlab_model(tmp_path, corpus
     ids = torch.tensor(tokenizer(corpus[:30_000], add_special_tokens=False)["input_ids"])
     blocks = ids[: len(ids) // 32 * 32].view(-1, 32).tolist()
     dataset = datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
-    model = decoderlab.DecoderLabForCausalLM(tiny_config(tokenizer, max_position_embeddings=32))
+    model = decoderlab.DecoderLabForCausalLM(char_model_config(tokenizer, max_position_embeddings=32))
 
     def run(model, steps: int) -> list[float]:
         arguments = TrainingArguments(

@@ -10,12 +10,9 @@ import copy
 import itertools
 import json
 import math
-import os
 import pathlib
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -24,17 +21,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import decoderlab
 from tests.paths import INPUT_TXT, REPO_ROOT
+from tests.training_runs import (
+    final_eval_loss,
+    folder_snapshot,
+    kill_when_saved,
+    metrics,
+    subprocess_env,
+    train_losses,
+)
 from training import checkpointing, pretrain
 from training.args import TrainConfig, parse_config
 from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint, save_final_folder
 from training.data import BlockBatches, train_char_tokenizer
 from training.loop import (
-    METRICS_NAME,
     NonFiniteLossError,
     evaluate,
     make_accelerator,
     param_groups,
-    read_metrics,
     train,
 )
 
@@ -42,14 +45,7 @@ PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
 TINY_MODEL = ["--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread, here and in the subprocesses: a tiny model gains nothing from more, and on a busy
-    machine two OpenMP threads per process spin-wait for each other and run 20x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # here and in the subprocesses: the same arithmetic
 
 
 @pytest.fixture(scope="module")
@@ -71,38 +67,6 @@ def tiny_argv(text_files, output_dir, *extra: str) -> list[str]:
         "--checkpointing_steps", "10", "--checkpoints_total_limit", "50", "--seed", "0",
         "--output_dir", str(output_dir), *TINY_MODEL, *extra,
     ]  # fmt: skip
-
-
-def metrics(output_dir) -> list[dict]:
-    return read_metrics(pathlib.Path(output_dir) / METRICS_NAME)
-
-
-def train_losses(output_dir) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in metrics(output_dir) if "train_loss" in r}
-
-
-def final_eval_loss(output_dir) -> float:
-    return [r["eval_loss"] for r in metrics(output_dir) if "eval_loss" in r][-1]
-
-
-def subprocess_env() -> dict:
-    """Offline, with one thread like this process (so the same arithmetic as in-process runs)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def kill_when_saved(command: list[str], checkpoint: pathlib.Path, timeout: float = 300) -> None:
-    """Run ``command`` and SIGKILL it as soon as the checkpoint folder ``checkpoint`` appears (the fine-tuning
-    tests use this too)."""
-    process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + timeout
-    while not checkpoint.exists():
-        assert process.poll() is None, f"the run ended before it could be killed:\n{process.stderr.read().decode()}"
-        assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
-    assert process.returncode == -signal.SIGKILL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,13 +291,6 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
     stop = full[10:12]
     generate.main([str(out), "--prompt", "ROMEO:", "--max_new_tokens", "40", "--greedy", "--stop", stop])
     assert capsys.readouterr().out == "ROMEO:" + full[: full.index(stop) + len(stop)] + "\n"
-
-
-def folder_snapshot(folder: pathlib.Path) -> dict:
-    """Every file under ``folder``: its bytes and modification time."""
-    return {
-        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
-    }
 
 
 def test_rerunning_a_finished_run_leaves_it_as_it_was_and_more_steps_continue_it(tmp_path, text_files, capsys):

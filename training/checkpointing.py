@@ -195,16 +195,19 @@ def package_versions() -> dict:
     return versions
 
 
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` shows it (from /proc/cpuinfo), e.g. 'AMD EPYC 9B14'."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    names = re.findall(r"model name\s*:\s*(.+)", cpuinfo.read_text()) if cpuinfo.is_file() else []
+    return names[0].strip() if names else platform.processor() or platform.machine()
+
+
 def hardware_description(accelerator: Accelerator) -> str:
     """E.g. '2 x NVIDIA H100 80GB HBM3' or '1 process on CPU (AMD EPYC, 2 threads per process)'."""
     n = accelerator.num_processes
     if accelerator.device.type == "cuda":
         return f"{n} x {torch.cuda.get_device_name(accelerator.device)}"
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = re.findall(r"model name\s*:\s*(.+)", cpuinfo.read_text())
-        cpu = names[0].strip() if names else cpu
+    cpu = cpu_model()
     threads = torch.get_num_threads()
     process, thread = "process" if n == 1 else "processes", "thread" if threads == 1 else "threads"
     return f"{n} {process} on {accelerator.device.type.upper()} ({cpu}, {threads} {thread} per process)"

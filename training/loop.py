@@ -265,6 +265,7 @@ def train(
         model.compile()
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
+    parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
 
     if cfg.with_tracking:
         accelerator.init_trackers(cfg.project_name, config=tracker_config(cfg.to_dict()))
@@ -278,6 +279,7 @@ def train(
         desc="training",
         unit="step",
         dynamic_ncols=True,
+        mininterval=1.0,  # redrawn once a second: drawing costs about a millisecond, a small model's step tens
         disable=not (show_progress and accelerator.is_local_main_process),
     )
     # The training window since the last log: summed loss (a tensor: no per-step synchronisation), real
@@ -300,16 +302,18 @@ def train(
     model.train()
     while state.step < max_steps:
         step_batches = [next(micro_batches) for _ in range(cfg.gradient_accumulation_steps)]
-        targets = torch.stack([count_targets(batch["labels"]) for batch in step_batches]).sum()
-        num_items = accelerator.reduce(targets.to(accelerator.device), reduction="sum").clamp(min=1)  # all processes
+        num_items = sum(count_targets(batch["labels"]) for batch in step_batches).to(accelerator.device)
+        if accelerator.num_processes > 1:
+            num_items = accelerator.reduce(num_items, reduction="sum")
+        num_items = num_items.clamp(min=1)  # a step without targets (none in practice) adds nothing
         for batch in step_batches:
             new_tokens += real_tokens(batch)  # counted on the CPU copy: no device synchronisation
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             with accelerator.accumulate(model):
                 loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
-                accelerator.backward(loss * loss_scale)
+                accelerator.backward(loss * loss_scale if loss_scale != 1 else loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm is not None:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    accelerator.clip_grad_norm_(parameters, cfg.max_grad_norm)
                 optimizer.step()  # Accelerate skips these until the last micro-batch of the step
                 optimizer.zero_grad(set_to_none=True)
             window_loss += loss.detach()  # this process's share of the step's mean

@@ -1,0 +1,66 @@
+"""Helpers for the tests that run training/'s scripts: a tiny base checkpoint, the runs' metrics, a SIGKILL at a
+checkpoint, a folder's snapshot."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import decoderlab
+from training.loop import METRICS_NAME, read_metrics
+
+
+def char_model_config(tokenizer, max_position_embeddings: int = 128) -> decoderlab.DecoderLabConfig:
+    """2 layers x 32 wide x 2 heads over the tokenizer's vocabulary."""
+    return decoderlab.DecoderLabConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
+def save_checkpoint_folder(model, tokenizer, folder: pathlib.Path) -> pathlib.Path:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def metrics(output_dir) -> list[dict]:
+    return read_metrics(pathlib.Path(output_dir) / METRICS_NAME)
+
+
+def train_losses(output_dir) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in metrics(output_dir) if "train_loss" in r}
+
+
+def final_eval_loss(output_dir) -> float:
+    return [r["eval_loss"] for r in metrics(output_dir) if "eval_loss" in r][-1]
+
+
+def subprocess_env() -> dict:
+    """Offline, with one thread like the tests' own process (the ``one_thread`` fixture): the same arithmetic."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def kill_when_saved(command: list[str], checkpoint: pathlib.Path, timeout: float = 300) -> None:
+    """Run ``command`` and SIGKILL it as soon as the checkpoint folder ``checkpoint`` appears."""
+    process = subprocess.Popen(command, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while not checkpoint.exists():
+        assert process.poll() is None, f"the run ended before it could be killed:\n{process.stderr.read().decode()}"
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout} s"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
+
+
+def folder_snapshot(folder: pathlib.Path) -> dict:
+    """Every file under ``folder``: its bytes and modification time."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
+    }
