@@ -87,30 +87,47 @@ class DecoderLabLinear(nn.Linear):
     MAX_FEW_ROWS = 32  # decoding steps of up to 32 sequences; from about 64 rows neither product wins
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_few_rows_path(x):
-            x2d = x.reshape(-1, self.in_features)  # (rows, in)
-            if few_rows_is_faster(x2d, self.weight):
-                y = few_rows_product(x2d, self.weight)
-                if self.bias is not None:
-                    y = y + self.bias
+        # Read once: a module attribute costs about as much as a small layer's product, and a decoding step makes
+        # hundreds of these calls. A shape already timed slower here goes straight to F.linear.
+        weight, bias = self.weight, self.bias
+        rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
+        if (
+            0 < rows <= self.MAX_FEW_ROWS
+            and not is_torchdynamo_compiling()  # nothing can be timed inside a traced graph
+            and _FEW_ROWS_FASTER.get((self.out_features, self.in_features, rows, torch.get_num_threads())) is not False
+            and few_rows_path_applies(x, weight, bias)
+        ):
+            x2d = x.reshape(rows, self.in_features)
+            if few_rows_is_faster(x2d, weight):
+                y = few_rows_product(x2d, weight)
+                if bias is not None:
+                    y = y + bias
                 return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, weight, bias)
 
     def takes_few_rows_path(self, x: torch.Tensor) -> bool:
-        """A few float32 rows on a CPU, plain tensors, no autograd, not being traced."""
+        """Whether ``x`` may take the few-rows product (if timed faster): 1 to MAX_FEW_ROWS rows of the layer's
+        width, and ``few_rows_path_applies``."""
         rows = x.numel() // self.in_features
         return (
-            0 < rows <= self.MAX_FEW_ROWS
-            and x.shape[-1] == self.in_features  # otherwise F.linear names the mismatch
-            and x.device.type == "cpu"
-            and x.dtype == torch.float32
-            and type(self.weight) is nn.Parameter  # not a quantized or other tensor subclass
-            and self.weight.dtype == torch.float32
-            and (self.bias is None or type(self.bias) is nn.Parameter)
-            and type(x) is torch.Tensor
-            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-            and not is_torchdynamo_compiling()
+            x.shape[-1] == self.in_features
+            and 0 < rows <= self.MAX_FEW_ROWS
+            and few_rows_path_applies(x, self.weight, self.bias)
         )
+
+
+def few_rows_path_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Float32 on a CPU, plain tensors, no autograd, not being traced."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and type(weight) is nn.Parameter  # not a quantized or other tensor subclass
+        and weight.dtype == torch.float32
+        and (bias is None or type(bias) is nn.Parameter)
+        and type(x) is torch.Tensor
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not is_torchdynamo_compiling()
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -88,6 +88,26 @@ def test_selection_picks_whichever_product_is_faster_here():
     assert kernels._FEW_ROWS_FASTER[key] is True
 
 
+def test_a_shape_timed_slower_goes_straight_to_f_linear():
+    """Once a shape has been timed slower with the few-rows product, its later calls take F.linear at once: no
+    eligibility check, no timing, no few-rows product (a decoding step makes hundreds of these calls)."""
+    layer = DecoderLabLinear(64, 256, bias=True)
+    x = torch.randn(3, 1, 64)
+    with torch.no_grad(), patch.object(kernels, "few_rows_product", slow(kernels.few_rows_product)):
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # timed here: F.linear wins
+    assert kernels._FEW_ROWS_FASTER[(256, 64, 3, torch.get_num_threads())] is False
+    with (
+        torch.no_grad(),
+        patch.object(kernels, "few_rows_path_applies", wraps=kernels.few_rows_path_applies) as applies,
+        patch.object(kernels, "few_rows_is_faster", wraps=kernels.few_rows_is_faster) as timed,
+        patch.object(kernels, "few_rows_product", wraps=kernels.few_rows_product) as product,
+    ):
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer(x[:2])  # two rows: not timed yet, so checked and timed
+    assert applies.call_count == 1 and timed.call_count == 1
+    assert product.call_count > 0  # the timing of the two-row shape ran it
+
+
 def test_layers_take_f_linear_where_the_few_rows_path_does_not_apply():
     """Even where the few-rows product would be chosen: more than 32 rows, autograd, bfloat16, a weight that is
     a tensor subclass (a quantized weight) and an input on the meta device all go to F.linear (identical
