@@ -202,7 +202,7 @@ def test_rope_tables_match_llama(tiny_config, rope_type):
     """cos/sin equal transformers' LlamaRotaryEmbedding for the same settings (sin with the sign of
     rotate_half folded into its first half), for each scaling type, including positions past
     max_position_embeddings (where dynamic NTK scaling kicks in); q and k rotated with them equal Llama's
-    apply_rotary_pos_emb."""
+    apply_rotary_pos_emb, in both layouts of q and k."""
     rope = {**LLAMA_ROPE_TYPES[rope_type], "rope_theta": 5e5}
     ours = DecoderLabRotaryEmbedding(tiny_config(rope_parameters=dict(rope)))
     llama_config = LlamaConfig(
@@ -219,6 +219,13 @@ def test_rope_tables_match_llama(tiny_config, rope_type):
         q, k = torch.randn(2, 1, 4, positions.shape[1], 16).unbind(0)
         for mine, reference in zip(
             apply_rotary_pos_emb(q, k, cos, signed_sin), llama_apply_rotary_pos_emb(q, k, llama_cos, llama_sin)
+        ):
+            torch.testing.assert_close(mine, reference, rtol=0, atol=1e-6)
+        # the layout the attention uses, heads in dimension 2: (B, T, nh, hs)
+        q_bthd, k_bthd = q.transpose(1, 2), k.transpose(1, 2)
+        for mine, reference in zip(
+            apply_rotary_pos_emb(q_bthd, k_bthd, cos, signed_sin, unsqueeze_dim=2),
+            llama_apply_rotary_pos_emb(q_bthd, k_bthd, llama_cos, llama_sin, unsqueeze_dim=2),
         ):
             torch.testing.assert_close(mine, reference, rtol=0, atol=1e-6)
 
