@@ -1,8 +1,8 @@
 """The Transformer mechanics decoderlab makes switchable, each shown on the model's own modules.
 
 Attention scale, position encodings (RoPE shift invariance, absolute positions, partial rotary,
-the sinusoidal table, the embedding multiplier), causality, multi-head / grouped-query / multi-query attention against a
-per-head loop written here, QK-norm, and every norm placement against its equation.
+the sinusoidal table), the embedding multiplier, causality, multi-head / grouped-query / multi-query
+attention against a per-head loop written here, QK-norm, and every norm placement against its equation.
 """
 
 import math
