@@ -2,9 +2,9 @@
 
 Read top to bottom: norms, token embeddings, positions, attention, MLP, the decoder blocks (one small class per
 norm placement), then the Hugging Face ``PreTrainedModel`` classes. Variants are chosen once in ``__init__``; every
-``forward`` is straight-line. Speed tricks (linear layers for a few rows, RMSNorm's and the loss's hand-written backward, the
-decoding-step preparation) sit beside this file in ``kernels_decoderlab.py``; each computes what the plain op it
-replaces computes.
+``forward`` is straight-line. Speed tricks (linear layers for a few rows, RMSNorm's and the loss's hand-written
+backward, the decoding-step preparation) sit beside this file in ``kernels_decoderlab.py``; each computes what the
+plain op it replaces computes.
 
 This file travels inside checkpoints (``trust_remote_code``) with its siblings, so it imports only ``torch``,
 ``transformers`` (and ``safetensors``, which transformers requires) and the ``*_decoderlab`` modules beside it.
