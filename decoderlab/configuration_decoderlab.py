@@ -9,6 +9,7 @@ from .compat_decoderlab import OUTPUT_CACHE_FIELD  # isort: skip
 
 import copy
 import functools
+import math
 import typing
 from typing import Literal
 
@@ -65,6 +66,8 @@ class DecoderLabConfig(PreTrainedConfig):
             ``"plain"`` down(act(up(x))); hidden_act; mlp_bias.
 
     Other
+        embedding_multiplier: factor on the token embeddings, before positions are added; the original
+            Transformer uses sqrt(hidden_size) (Vaswani et al. 2017, section 3.4; Gemma too). ``1.0`` is off.
         hidden_dropout: dropout on the embeddings and on each sublayer's output.
         tie_word_embeddings: share ``lm_head`` with ``embed_tokens``.
         initializer_range: std of the normal init; scale_residual_init: GPT-2's init of the
@@ -116,6 +119,7 @@ class DecoderLabConfig(PreTrainedConfig):
     hidden_act: HiddenAct = "silu"
     mlp_bias: bool = False
     # other
+    embedding_multiplier: float = 1.0
     hidden_dropout: float = 0.0
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -172,6 +176,11 @@ class DecoderLabConfig(PreTrainedConfig):
                 f"attention_scale must be positive (1.0 turns scaling off) or None for 1/sqrt(head_dim), "
                 f"got {self.attention_scale}."
             )
+        if not (math.isfinite(self.embedding_multiplier) and self.embedding_multiplier > 0):
+            raise ValueError(
+                f"embedding_multiplier must be a finite positive number (1.0 leaves the embeddings as they are), "
+                f"got {self.embedding_multiplier}."
+            )
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}.")
         if self.use_parallel_residual and self.norm_placement != "pre":
@@ -226,6 +235,7 @@ class DecoderLabConfig(PreTrainedConfig):
         gpt2       pre-LayerNorm, learned positions (1024), GELU (tanh approximation) MLP, biases, tied
         neox       Pythia: pre-LayerNorm, RoPE on 25% of each head, parallel residual, GELU MLP, biases
         vaswani    the original decoder: post-LayerNorm, sinusoidal positions, ReLU MLP, tied embeddings
+                   multiplied by sqrt(hidden_size) (at the hidden_size the preset is built with)
         =========  =====================================================================================
 
         Sizes (layers x hidden x heads): ``nano`` 4 x 128 x 4 (nanoGPT's CPU recipe), ``tiny``
@@ -240,8 +250,9 @@ class DecoderLabConfig(PreTrainedConfig):
                 f"Unknown size {size!r}; choose one of {', '.join(map(repr, SIZES))}, or None to set sizes yourself."
             )
         # deep copy: the config standardises rope_parameters in place, and PRESETS must stay as written
-        fields = copy.deepcopy({**PRESETS[name], **SIZES.get(size, {})})
-        return cls(**{**fields, **overrides})
+        fields = {**copy.deepcopy({**PRESETS[name], **SIZES.get(size, {})}), **overrides}
+        # a preset's value may depend on the sizes it is built at (vaswani's sqrt(hidden_size)): computed last
+        return cls(**{key: value(fields) if callable(value) else value for key, value in fields.items()})
 
 
 # The field's class-level default would still answer `hasattr(config, "rope_parameters")` for configs without
@@ -279,7 +290,13 @@ DecoderLabConfig.__init__ = _init_raising_value_error
 
 # ----------------------------------------------------------------------------------------------
 # Presets: named architectures and sizes for DecoderLabConfig.from_preset. Each architecture sets
-# every field that defines it, so a preset reads the same whatever the defaults above become.
+# every field that defines it, so a preset reads the same whatever the defaults above become. A value
+# may be a function of the preset's resolved fields (sizes and overrides), for fields that follow a size.
+
+
+def _sqrt_hidden_size(fields: dict) -> float:
+    return math.sqrt(fields.get("hidden_size", DecoderLabConfig.hidden_size))
+
 
 PRESETS: dict[str, dict] = {
     # Touvron et al. 2023
@@ -324,8 +341,9 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
     # Vaswani et al. 2017: FFN(x) = max(0, x W1 + b1) W2 + b2 (eq. 2); embeddings shared with the
-    # pre-softmax projection (section 3.4). Unlike the paper, embeddings are not multiplied by sqrt(d_model).
+    # pre-softmax projection and multiplied by sqrt(d_model) (section 3.4).
     "vaswani": dict(
+        embedding_multiplier=_sqrt_hidden_size,
         position_embedding_type="sinusoidal",
         norm_placement="post",
         norm_type="layernorm",

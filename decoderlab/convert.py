@@ -172,6 +172,7 @@ def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
             "Llama rotates every dimension of each head (1.0)",
         ),
         "mlp_type": (config.mlp_type != "gated", "Llama's MLP is gated ('gated')"),
+        "embedding_multiplier": (config.embedding_multiplier != 1.0, "Llama uses its token embeddings unscaled (1.0)"),
         "attention_scale": (
             config.attention_scale is not None and not math.isclose(config.attention_scale, config.head_dim**-0.5),
             f"Llama scales attention by 1/sqrt(head_dim) = {config.head_dim**-0.5:.6g} (None)",

@@ -56,6 +56,7 @@ SWITCH_MEANINGS = {
     "mlp_type": "gated: down(act(gate(x)) * up(x)); plain: down(act(up(x)))",
     "hidden_act": "MLP activation",
     "mlp_bias": "biases in the MLP projections",
+    "embedding_multiplier": "factor on the token embeddings, before positions are added (Vaswani et al.: sqrt(hidden))",
     "hidden_dropout": "dropout on embeddings and sublayer outputs (training only)",
     "tie_word_embeddings": "lm_head shares the token embedding matrix",
     "initializer_range": "std of the initial weights",
@@ -195,6 +196,8 @@ def describe_mechanisms(config: DecoderLabConfig) -> str:
         f"{mlp_name(config)} MLP of width {config.intermediate_size}",
         "tied input and output embeddings" if config.tie_word_embeddings else "separate input and output embeddings",
     ]
+    if config.embedding_multiplier != 1.0:
+        parts.append(f"token embeddings multiplied by {config.embedding_multiplier:.4g}")
     return "Mechanisms: " + "; ".join(parts) + "."
 
 

@@ -1,10 +1,10 @@
 """DecoderLab: a small decoder-only Transformer whose mechanisms are configuration switches.
 
-Read top to bottom: norms, positions, attention, MLP, the decoder blocks (one small class per norm placement),
-then the Hugging Face ``PreTrainedModel`` classes. Variants are chosen once in ``__init__``; every ``forward`` is
-straight-line. Speed tricks (linear layers for a few rows, RMSNorm's and the loss's hand-written backward, the
-decoding-step preparation) sit beside this file in ``kernels_decoderlab.py``; each computes what the plain op it
-replaces computes.
+Read top to bottom: norms, token embeddings, positions, attention, MLP, the decoder blocks (one small class per
+norm placement), then the Hugging Face ``PreTrainedModel`` classes. Variants are chosen once in ``__init__``; every
+``forward`` is straight-line. Speed tricks (linear layers for a few rows, RMSNorm's and the loss's hand-written
+backward, the decoding-step preparation) sit beside this file in ``kernels_decoderlab.py``; each computes what the
+plain op it replaces computes.
 
 This file travels inside checkpoints (``trust_remote_code``) with its siblings, so it imports only ``torch``,
 ``transformers`` (and ``safetensors``, which transformers requires) and the ``*_decoderlab`` modules beside it.
@@ -72,6 +72,37 @@ def make_norm(config: DecoderLabConfig, dim: int) -> nn.Module:
     if config.norm_type == "rmsnorm":
         return DecoderLabRMSNorm(dim, eps=config.norm_eps)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.norm_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token embeddings
+
+
+class DecoderLabScaledEmbedding(nn.Embedding):
+    """Token embeddings times ``embedding_multiplier``, sqrt(d_model) in Vaswani et al. 2017 (section 3.4).
+
+    As in transformers' Gemma, the factor is part of the embedding module: ``get_input_embeddings()(ids)`` (what
+    PEFT and pipeline stages pass on as ``inputs_embeds``) is already scaled, and ``inputs_embeds`` given to the
+    model are used as they are."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, multiplier: float):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.multiplier = multiplier
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.multiplier
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, multiplier={self.multiplier:g}"
+
+
+def make_token_embedding(config: DecoderLabConfig) -> nn.Embedding:
+    """A plain ``nn.Embedding`` unless ``embedding_multiplier`` is set, so the default costs nothing."""
+    if config.embedding_multiplier == 1.0:
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    return DecoderLabScaledEmbedding(
+        config.vocab_size, config.hidden_size, config.pad_token_id, config.embedding_multiplier
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,12 +559,12 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
 
 
 class DecoderLabModel(DecoderLabPreTrainedModel):
-    """The decoder stack: embeddings (+ absolute positions), blocks, final norm."""
+    """The decoder stack: embeddings (scaled by embedding_multiplier, + absolute positions), blocks, final norm."""
 
     def __init__(self, config: DecoderLabConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = make_token_embedding(config)  # times embedding_multiplier, before positions are added
         position_type = config.position_embedding_type
         self.embed_positions = (
             ABSOLUTE_POSITIONS[position_type](config) if position_type in ABSOLUTE_POSITIONS else None

@@ -49,6 +49,7 @@ NON_DEFAULT_FIELDS = dict(
     mlp_type="plain",
     hidden_act="gelu_new",
     mlp_bias=True,
+    embedding_multiplier=9.8,
     hidden_dropout=0.2,
     tie_word_embeddings=True,
     initializer_range=0.05,
@@ -214,6 +215,7 @@ BAD_CONFIGS = {
     "attention_dropout negative": (dict(attention_dropout=-0.1), r"attention_dropout must be in \[0, 1\), got -0.1"),
     "zero attention_scale": (dict(attention_scale=0.0), r"attention_scale must be positive.*got 0.0"),
     "zero norm_eps": (dict(norm_eps=0.0), r"norm_eps must be positive, got 0.0"),
+    "string embedding_multiplier": (dict(embedding_multiplier="sqrt"), r"embedding_multiplier.*expected float.*'sqrt'"),
     "parallel residual with post-LN": (
         dict(use_parallel_residual=True, norm_placement="post"),
         r"use_parallel_residual=True needs norm_placement='pre'.*'post'",
@@ -227,6 +229,11 @@ for _size in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
     BAD_CONFIGS[f"zero {_size}"] = (dict({_size: 0}), rf"{_size} must be a positive integer, got 0")
 for _size in ("num_key_value_heads", "head_dim", "intermediate_size"):
     BAD_CONFIGS[f"zero {_size}"] = (dict({_size: 0}), rf"{_size} must be a positive integer, got 0")
+for _factor in (0.0, -8.0, float("inf"), float("nan")):
+    BAD_CONFIGS[f"embedding_multiplier {_factor}"] = (
+        dict(embedding_multiplier=_factor),
+        rf"embedding_multiplier must be a finite positive number \(1.0 leaves .*\), got {_factor}\.",
+    )
 
 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))

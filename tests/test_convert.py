@@ -126,6 +126,7 @@ def test_convert_from_matches_reference(case, tmp_path, randomize, ids):
     converted = AutoModelForCausalLM.from_pretrained(dst).eval()
     assert isinstance(converted, DecoderLabForCausalLM)
     assert converted.config.tie_word_embeddings == reference.config.tie_word_embeddings
+    assert converted.config.embedding_multiplier == 1.0  # none of the three families scales its embeddings
     assert_same_model(reference, converted, ids)
 
 
@@ -261,8 +262,17 @@ def test_llama_export_refusal_lists_every_field_in_the_way():
     vaswani = DecoderLabConfig.from_preset("vaswani", "nano")
     with pytest.raises(ValueError) as refused:
         llama_config_from_decoderlab(vaswani)
-    for field in ("norm_placement='post'", "norm_type='layernorm'", "norm_bias=True", "position_embedding_type="):
+    for field in (
+        "norm_placement='post'",
+        "norm_type='layernorm'",
+        "norm_bias=True",
+        "position_embedding_type=",
+        "embedding_multiplier=11.31",  # sqrt(128), Vaswani et al.'s scale at the nano width
+    ):
         assert field in str(refused.value)
+    scaled_llama = DecoderLabConfig.from_preset("llama", "nano", embedding_multiplier=2.0)
+    with pytest.raises(ValueError, match=r"these fields stand in the way:\n  embedding_multiplier=2.0: Llama uses"):
+        llama_config_from_decoderlab(scaled_llama)
 
     neox_like = DecoderLabConfig.from_preset("neox", "nano", qk_norm=True, attention_scale=1.0)
     with pytest.raises(ValueError) as refused:
@@ -377,3 +387,13 @@ def test_cli_both_directions(tmp_path, randomize, ids, capsys):
         main(["--to", "llama", str(vaswani), str(tmp_path / "refused")])
     assert exited.value.code == 1
     assert "error: A Llama checkpoint cannot express" in capsys.readouterr().err
+
+    # Llama-shaped but for its embedding scale: that field alone is named, and nothing is written
+    scaled = DecoderLabForCausalLM.from_pretrained(tmp_path / "decoderlab", embedding_multiplier=2.0)
+    assert scaled.config.embedding_multiplier == 2.0
+    with pytest.raises(SystemExit) as exited:
+        main(["--to", "llama", str(saved(scaled, tmp_path / "scaled")), str(tmp_path / "refused")])
+    assert exited.value.code == 1
+    stand_in_the_way = capsys.readouterr().err.split("stand in the way:\n")[1].split("\nOnly models")[0]
+    assert stand_in_the_way == "  embedding_multiplier=2.0: Llama uses its token embeddings unscaled (1.0)"
+    assert not (tmp_path / "refused").exists()

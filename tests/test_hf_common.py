@@ -256,9 +256,10 @@ else:
         }
 
     class DecoderLabPostNormLearnedTest(_DecoderLabCommonTests, unittest.TestCase):
-        """Post-LN blocks (no final norm) with learned absolute positions."""
+        """Post-LN blocks (no final norm) with learned absolute positions, and scaled token embeddings (inside
+        ``get_input_embeddings()``, which the inputs_embeds and resizing tests go through)."""
 
-        config_overrides = {"norm_placement": "post", "position_embedding_type": "learned"}
+        config_overrides = {"norm_placement": "post", "position_embedding_type": "learned", "embedding_multiplier": 4.0}
 
     class DecoderLabSandwichSinusoidalTest(_DecoderLabCommonTests, unittest.TestCase):
         """Sandwich-LN blocks with fixed sinusoidal positions (a non-persistent buffer)."""

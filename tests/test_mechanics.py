@@ -1,8 +1,8 @@
 """The Transformer mechanics decoderlab makes switchable, each shown on the model's own modules.
 
 Attention scale, position encodings (RoPE shift invariance, absolute positions, partial rotary,
-the sinusoidal table), causality, multi-head / grouped-query / multi-query attention against a
-per-head loop written here, QK-norm, and every norm placement against its equation.
+the sinusoidal table), the embedding multiplier, causality, multi-head / grouped-query / multi-query
+attention against a per-head loop written here, QK-norm, and every norm placement against its equation.
 """
 
 import math
@@ -253,6 +253,38 @@ def test_learned_positions_are_added_to_the_embeddings(tiny_model):
         first_layer_input = model(x, position_ids=positions, output_hidden_states=True).hidden_states[0]
         expected = model.model.embed_tokens(x) + model.model.embed_positions.weight[5:25]
     torch.testing.assert_close(first_layer_input, expected, rtol=0, atol=1e-6)
+
+
+def test_embedding_multiplier_scales_the_token_embeddings_before_positions(tiny_model, position_type):
+    """Vaswani et al. 2017, section 3.4: the model with embedding_multiplier m computes exactly what the model
+    with multiplier 1 computes when its embedding matrix is multiplied by m, for every position type, so the
+    factor reaches the token embeddings alone (absolute positions are added after it; RoPE never sees it).
+    ``inputs_embeds`` taken from ``get_input_embeddings()`` are already scaled, as in transformers' Gemma."""
+    m = 8.0  # sqrt(64): the original Transformer's factor at this width
+    scaled = tiny_model(position_embedding_type=position_type, embedding_multiplier=m)
+    plain = tiny_model(position_embedding_type=position_type)
+    plain.load_state_dict(scaled.state_dict())
+    with torch.no_grad():
+        plain.model.embed_tokens.weight.mul_(m)
+    x = torch.randint(0, 99, (2, 20))
+    positions = torch.arange(3, 23)[None]  # off zero, so rows of the position tables past the first count
+    with torch.no_grad():
+        expected = plain.model(x, position_ids=positions).last_hidden_state
+        assert torch.equal(scaled.model(x, position_ids=positions).last_hidden_state, expected)
+        embeds = scaled.get_input_embeddings()(x)
+        assert torch.equal(scaled.model(inputs_embeds=embeds, position_ids=positions).last_hidden_state, expected)
+        if scaled.model.embed_positions is not None:  # learned / sinusoidal: the positions are not scaled
+            first_layer_input = scaled(x, position_ids=positions, output_hidden_states=True).hidden_states[0]
+            unscaled_positions = scaled.model.embed_positions(positions)
+            assert torch.equal(first_layer_input, m * scaled.model.embed_tokens.weight[x] + unscaled_positions)
+
+
+def test_embedding_multiplier_one_is_the_plain_embedding(tiny_model):
+    """The default 1.0 builds a plain nn.Embedding: the default model computes what it did before the field."""
+    model = tiny_model()
+    assert model.config.embedding_multiplier == 1.0
+    assert type(model.model.embed_tokens) is torch.nn.Embedding
+    assert type(tiny_model(embedding_multiplier=2.0).model.embed_tokens) is not torch.nn.Embedding
 
 
 # ----------------------------------------------------------------------------------------------

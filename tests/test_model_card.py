@@ -111,10 +111,16 @@ def test_tags_name_the_mechanisms(tmp_path, overrides, tags):
 
 
 def test_architecture_table_lists_every_switch(tmp_path):
-    """Every DecoderLabConfig field is a row of the architecture table, showing the value config.json holds."""
-    make_checkpoint(tmp_path, num_key_value_heads=2, attention_scale=0.5, qk_norm=True, norm_eps=1e-6)
-    rows = table(write_model_card(tmp_path).read_text(), "Switch")
+    """Every DecoderLabConfig field is a row of the architecture table, showing the value config.json holds and
+    saying what it does; the mechanisms sentence names a non-default embedding multiplier."""
+    make_checkpoint(
+        tmp_path, num_key_value_heads=2, attention_scale=0.5, qk_norm=True, norm_eps=1e-6, embedding_multiplier=8.0
+    )
+    text = write_model_card(tmp_path).read_text()
+    rows = table(text, "Switch")
     assert [name.strip("`") for name in rows] == list(decoderlab.DecoderLabConfig.__annotations__)
+    assert all(meaning for _value, meaning in rows.values())
+    assert "; token embeddings multiplied by 8." in text
     saved = json.loads((tmp_path / "config.json").read_text())
     for name, (value, _meaning) in rows.items():
         name = name.strip("`")

@@ -91,17 +91,39 @@ def test_small_presets_have_their_namesakes_parameters(preset):
 
 def test_vaswani_preset_is_the_original_decoder():
     """vaswani has no transformers reference, so check its parts: post-LN blocks and no final norm,
-    fixed sinusoids (no position parameters), ReLU, tied embeddings; at small size that is GPT-2 small's
-    count minus the position table, the attention biases and the final LayerNorm."""
+    fixed sinusoids (no position parameters), ReLU, tied embeddings scaled by sqrt(d_model); at small
+    size that is GPT-2 small's count minus the position table, the attention biases and the final LayerNorm."""
     model = small("vaswani", vocab_size=50257)
     assert all(isinstance(layer, DecoderLabPostNormDecoderLayer) for layer in model.model.layers)
     assert isinstance(model.model.norm, torch.nn.Identity)
     assert isinstance(model.model.embed_positions, DecoderLabSinusoidalPositionalEmbedding)
     assert isinstance(model.model.layers[0].mlp.act_fn, torch.nn.ReLU)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.embed_tokens.multiplier == 768**0.5  # section 3.4: embeddings times sqrt(d_model)
     C, L = 768, 12
     gpt2_small = parameter_count(small("gpt2", vocab_size=50257))
     assert parameter_count(model) == gpt2_small - 1024 * C - L * 4 * C - 2 * C
+
+
+@pytest.mark.parametrize("size, overrides, expected", [
+    (None, {}, 768**0.5),
+    ("nano", {}, 128**0.5),
+    ("tiny", {}, 384**0.5),
+    ("small", {}, 768**0.5),
+    ("nano", {"hidden_size": 96}, 96**0.5),  # follows an overridden width
+    (None, {"hidden_size": 256, "num_attention_heads": 4}, 16.0),
+    ("tiny", {"embedding_multiplier": 1.0}, 1.0),  # an explicit value wins
+    ("nano", {"hidden_size": 256, "embedding_multiplier": 2.5}, 2.5),
+])  # fmt: skip
+def test_vaswani_multiplies_embeddings_by_sqrt_hidden_size(size, overrides, expected):
+    """Vaswani et al. 2017, section 3.4: embeddings times sqrt(d_model), d_model being the hidden_size the preset
+    is built with (its size or an override), unless embedding_multiplier itself is given; the other presets
+    leave the embeddings unscaled."""
+    config = DecoderLabConfig.from_preset("vaswani", size, **overrides)
+    assert config.embedding_multiplier == expected
+    assert all(
+        DecoderLabConfig.from_preset(name, size).embedding_multiplier == 1.0 for name in PRESETS if name != "vaswani"
+    )
 
 
 def test_overrides_replace_fields_and_leave_presets_untouched():
@@ -114,6 +136,7 @@ def test_overrides_replace_fields_and_leave_presets_untouched():
     assert config.use_parallel_residual is False
     assert config.rope_parameters["rope_theta"] == 5e5 and "partial_rotary_factor" not in config.rope_parameters
     DecoderLabConfig.from_preset("llama")
+    DecoderLabConfig.from_preset("vaswani", "nano", hidden_size=96)
     assert PRESETS == before
 
 

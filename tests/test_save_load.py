@@ -61,6 +61,42 @@ def test_tied_embeddings_survive_save_and_load(tmp_path, tiny_model):
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
 
 
+def test_embedding_multiplier_survives_save_load_and_resize(tmp_path, tiny_model):
+    """A checkpoint keeps embedding_multiplier in config.json and loads with the same scaled embedding and
+    logits; resize_token_embeddings (adding tokens before fine-tuning) keeps the factor on old and new rows."""
+    model = tiny_model(embedding_multiplier=8.0, position_embedding_type="sinusoidal", tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["embedding_multiplier"] == 8.0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.embedding_multiplier == 8.0 and loaded.model.embed_tokens.multiplier == 8.0
+    x = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+        hidden = loaded.model(x).last_hidden_state
+    loaded.resize_token_embeddings(103)
+    embed = loaded.get_input_embeddings()
+    assert embed.multiplier == 8.0 and embed.num_embeddings == 103
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x).last_hidden_state, hidden, rtol=0, atol=0)
+        torch.testing.assert_close(embed(torch.tensor([101])), 8.0 * embed.weight[101:102], rtol=0, atol=0)
+
+
+def test_config_json_without_embedding_multiplier_loads_unscaled(tmp_path, tiny_model):
+    """A checkpoint saved before the field existed (its config.json lacks the key) loads with 1.0, a plain
+    nn.Embedding and bit-identical logits."""
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["embedding_multiplier"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.embedding_multiplier == 1.0
+    assert type(loaded.model.embed_tokens) is torch.nn.Embedding
+    x = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+
+
 def test_sequence_classification_from_a_causal_lm_checkpoint(tmp_path, tiny_model):
     """AutoModelForSequenceClassification loads a causal-LM checkpoint: the decoder's weights come across,
     the new head scores the last real token, so right padding does not change a sequence's scores."""
@@ -121,8 +157,9 @@ REMOTE_CODE_CHECK = textwrap.dedent(
 @pytest.mark.slow
 def test_trust_remote_code_without_the_package(tmp_path, tiny_model, all_block_variants):
     """Where decoderlab is not installed, AutoModelForCausalLM and AutoModel with trust_remote_code=True load
-    every position type x block layout from the checkpoint's own source files, giving the same logits and
-    hidden states as the original models. One subprocess checks all sixteen checkpoints."""
+    every position type x block layout (and a model with embedding_multiplier) from the checkpoint's own
+    source files, giving the same logits and hidden states as the original models. One subprocess checks all
+    seventeen checkpoints."""
     x = torch.randint(0, 99, (2, 12))
     checkpoints, expected = {}, {}
     for position_type in typing.get_args(PositionEmbeddingType):
@@ -134,6 +171,12 @@ def test_trust_remote_code_without_the_package(tmp_path, tiny_model, all_block_v
             with torch.no_grad():
                 expected[name + ".logits"] = model(x).logits
                 expected[name + ".hidden"] = model.model(x).last_hidden_state
+    model = tiny_model(position_embedding_type="sinusoidal", norm_placement="post", embedding_multiplier=8.0)
+    model.save_pretrained(tmp_path / "vaswani_scaled")  # the scaled embedding module travels too
+    checkpoints["vaswani_scaled"] = str(tmp_path / "vaswani_scaled")
+    with torch.no_grad():
+        expected["vaswani_scaled.logits"] = model(x).logits
+        expected["vaswani_scaled.hidden"] = model.model(x).last_hidden_state
     (tmp_path / "checkpoints.json").write_text(json.dumps(checkpoints))
     save_file({"input_ids": x}, tmp_path / "inputs.safetensors")
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}

@@ -36,6 +36,21 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model, block_var
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_activation_checkpointing_with_an_embedding_multiplier(tiny_model):
+    """The scaled token embedding sits outside the checkpointed blocks: recomputing the blocks in backward leaves
+    the loss and every gradient, the embedding's included, as they were."""
+    model = tiny_model(embedding_multiplier=8.0, norm_placement="post", position_embedding_type="sinusoidal").train()
+    checkpointed = copy.deepcopy(model)
+    checkpointed.activation_checkpointing_enable()
+    assert checkpointed.is_activation_checkpointing
+    x = torch.randint(0, 99, (2, 16))
+    expected_loss, expected_grads = loss_and_grads(model, x)
+    loss, grads = loss_and_grads(checkpointed, x)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-6)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_bfloat16_loading_runs(tmp_path, tiny_model):
     """from_pretrained(dtype=torch.bfloat16) gives a bf16 model whose logits track the fp32 ones and which
     generates."""
