@@ -528,8 +528,9 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
 
     def __init__(self, config: DecoderLabConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        # No padding_idx: the padding token is usually the end-of-text token, whose embedding must train (and,
+        # tied, its logit); padded positions are masked out of attention and the loss anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         position_type = config.position_embedding_type
         self.embed_positions = (
             ABSOLUTE_POSITIONS[position_type](config) if position_type in ABSOLUTE_POSITIONS else None

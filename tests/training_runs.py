@@ -12,9 +12,12 @@ from training.loop import METRICS_NAME, read_metrics
 
 
 def char_model_config(tokenizer, max_position_embeddings: int = 128) -> decoderlab.DecoderLabConfig:
-    """2 layers x 32 wide x 2 heads over the tokenizer's vocabulary."""
+    """2 layers x 32 wide x 2 heads over the tokenizer's vocabulary, with its special tokens (None if it has none)."""
     return decoderlab.DecoderLabConfig(
         vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,

@@ -53,7 +53,9 @@ def set_sampling_defaults(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     """Sampling defaults for ``generate()`` and pipelines (nanoGPT's sample.py uses temperature 0.8)."""
     generation = model.generation_config
     generation.do_sample, generation.temperature, generation.top_k, generation.max_new_tokens = True, 0.8, 200, 256
-    generation.pad_token_id = generation.eos_token_id = tokenizer.eos_token_id
+    generation.eos_token_id, generation.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+    # a tokenizer without a padding token (one made before decoderlab's had one): pad with the end of text
+    generation.pad_token_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: int) -> DecoderLabForCausalLM:
@@ -64,8 +66,8 @@ def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: in
     default to the tokenizer's.
     """
     fields = {"vocab_size": len(tokenizer), "max_position_embeddings": block_size, **fields}
-    fields.setdefault("eos_token_id", tokenizer.eos_token_id)
-    fields.setdefault("bos_token_id", tokenizer.bos_token_id)
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        fields.setdefault(name, getattr(tokenizer, name))
     config = DecoderLabConfig(**fields)
     check_model_fits(config, tokenizer, block_size, "the model")
     model = DecoderLabForCausalLM(config)
