@@ -89,14 +89,22 @@ def run_reference(threads: int, output: pathlib.Path, max_iters: int) -> dict:
     }
 
 
+def same_characters(tokenizer, chars: str) -> bool:
+    """Whether ids 0..len(chars)-1 are ``chars`` in order and any later id is a special token (the end of text)."""
+    first = tokenizer.convert_ids_to_tokens(list(range(min(len(chars), len(tokenizer)))))
+    later = tokenizer.convert_ids_to_tokens(list(range(len(chars), len(tokenizer))))
+    return first == list(chars) and all(token in tokenizer.all_special_tokens for token in later)
+
+
 @torch.no_grad()
 def every_window_loss(checkpoint: pathlib.Path) -> float:
     """Our checkpoint's loss over every 64-token window of nanoGPT's validation split."""
     data = load_char_data()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    if [tokenizer.convert_ids_to_tokens(i) for i in range(len(tokenizer))] != list(data.chars):
+    if not same_characters(tokenizer, data.chars):
         raise ValueError(
-            f"{checkpoint}'s vocabulary is not nanoGPT's 65 sorted characters: the losses would not compare."
+            f"{checkpoint}'s vocabulary is not nanoGPT's {len(data.chars)} sorted characters (ids 0..."
+            f"{len(data.chars) - 1}, then special tokens only): the losses would not compare."
         )
     model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     return windowed_val_loss(lambda ids: model(input_ids=ids, use_cache=False).logits, data.val, BLOCK_SIZE)

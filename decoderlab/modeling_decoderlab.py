@@ -85,8 +85,8 @@ class DecoderLabScaledEmbedding(nn.Embedding):
     PEFT and pipeline stages pass on as ``inputs_embeds``) is already scaled, and ``inputs_embeds`` given to the
     model are used as they are."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, multiplier: float):
-        super().__init__(num_embeddings, embedding_dim, padding_idx)
+    def __init__(self, num_embeddings: int, embedding_dim: int, multiplier: float):
+        super().__init__(num_embeddings, embedding_dim)
         self.multiplier = multiplier
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -99,10 +99,8 @@ class DecoderLabScaledEmbedding(nn.Embedding):
 def make_token_embedding(config: DecoderLabConfig) -> nn.Embedding:
     """A plain ``nn.Embedding`` unless ``embedding_multiplier`` is set, so the default costs nothing."""
     if config.embedding_multiplier == 1.0:
-        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-    return DecoderLabScaledEmbedding(
-        config.vocab_size, config.hidden_size, config.pad_token_id, config.embedding_multiplier
-    )
+        return nn.Embedding(config.vocab_size, config.hidden_size)
+    return DecoderLabScaledEmbedding(config.vocab_size, config.hidden_size, config.embedding_multiplier)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -563,7 +561,8 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
 
     def __init__(self, config: DecoderLabConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
+        # No padding_idx: the padding token is usually the end-of-text token, whose embedding must train (and,
+        # tied, its logit); padded positions are masked out of attention and the loss anyway.
         self.embed_tokens = make_token_embedding(config)  # times embedding_multiplier, before positions are added
         position_type = config.position_embedding_type
         self.embed_positions = (

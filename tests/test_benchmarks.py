@@ -12,8 +12,11 @@ import sys
 import pytest
 
 from benchmarks import shakespeare_char
+from benchmarks.reference_nanogpt import load_char_data
 from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES
 from tests.paths import REPO_ROOT
+from tests.training_runs import char_tokenizer_without_special_tokens
+from training.data import train_bpe_tokenizer, train_char_tokenizer
 
 
 def run_module(*args: str) -> str:
@@ -22,6 +25,19 @@ def run_module(*args: str) -> str:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def test_loss_comparison_accepts_nanogpts_characters_then_special_tokens_only():
+    """The every-window loss compares with nanoGPT's only for its 65 sorted characters at ids 0..64: the
+    scripts' tokenizer (then <|endoftext|>) and one made before it had that token pass; a character vocabulary
+    of other text, a BPE, and the 65 characters followed by an ordinary token are refused."""
+    chars = load_char_data().chars
+    assert shakespeare_char.same_characters(train_char_tokenizer([chars]), chars)
+    assert shakespeare_char.same_characters(char_tokenizer_without_special_tokens([chars]), chars)
+    assert not shakespeare_char.same_characters(train_char_tokenizer([chars[1:]]), chars)
+    assert not shakespeare_char.same_characters(train_bpe_tokenizer([chars * 20], vocab_size=300), chars)
+    extra_character = char_tokenizer_without_special_tokens([chars + "\u00e9"])  # é sorts after every character
+    assert not shakespeare_char.same_characters(extra_character, chars)
 
 
 @pytest.mark.slow

@@ -112,12 +112,41 @@ def test_evaluate_needs_exactly_one_data_source(checkpoint, tmp_path):
         evaluate.main([str(checkpoint), "--dataset_name", "x/y", "--data_file", str(tmp_path / "a.txt")])
 
 
+def test_lm_eval_hflm_scores_a_checkpoint_given_only_its_folder(checkpoint):
+    """lm-eval's HFLM with pretrained= and trust_remote_code=True only (no prefix_token_id) takes the tokenizer's
+    BOS, <|endoftext|>, as its prefix token, and its log-likelihood of a continuation equals the direct sum of
+    log-probabilities; a rolling log-likelihood conditions the first character on that prefix token."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(checkpoint), trust_remote_code=True, device="cpu", batch_size=2)
+    model, tokenizer = load(checkpoint)
+    assert lm.prefix_token_id == tokenizer.eos_token_id == 65
+    pairs = [("ROMEO:", "\nAy me!"), ("First Citizen:", " Speak, speak.")]  # lm-eval moves a context's end space
+    requests = [Instance("loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
+    scores = [score for score, _ in lm.loglikelihood(requests)]
+    text = "JULIET:\nO Romeo!"
+    (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", doc={}, arguments=(text,), idx=0)])
+
+    def direct(context_ids: list[int], target: str) -> float:
+        target_ids = tokenizer(target)["input_ids"]
+        ids = torch.tensor([context_ids + target_ids])
+        with torch.no_grad():
+            log_probs = model(input_ids=ids).logits[0, :-1].log_softmax(-1)  # (T - 1, V): predicts ids[1:]
+        return log_probs[torch.arange(len(context_ids) - 1, ids.shape[1] - 1), target_ids].sum().item()
+
+    expected = [direct(tokenizer(context)["input_ids"], target) for context, target in pairs]
+    assert scores == pytest.approx(expected, rel=1e-4)
+    assert rolling == pytest.approx(direct([tokenizer.bos_token_id], text), rel=1e-4)
+
+
 @pytest.mark.slow
 def test_lm_evaluation_harness_runs_the_checkpoint_through_trust_remote_code(tmp_path, corpus, checkpoint):
     """`lm_eval run --model hf` in a process where `import decoderlab` fails, so the model is the checkpoint's
-    own code (trust_remote_code=True). On a task of short lines its bits per byte equal the direct computation:
-    each line's log-likelihood given the prefix token (id 0, the newline) and its earlier characters. The
-    repository's Tiny Shakespeare task (local data) runs in the same call."""
+    own code (trust_remote_code=True) and the only model arguments are pretrained= and trust_remote_code=. On a
+    task of short lines its bits per byte equal the direct computation: each line's log-likelihood given the
+    prefix token (the tokenizer's BOS, <|endoftext|>) and its earlier characters. The repository's Tiny
+    Shakespeare task (local data) runs in the same call."""
     lines = [line for line in corpus[-4000:].splitlines() if 10 < len(line) < 60][:25]
     (tmp_path / "lines.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     tasks = tmp_path / "tasks"
@@ -133,7 +162,7 @@ def test_lm_evaluation_harness_runs_the_checkpoint_through_trust_remote_code(tmp
     (blocker / "__init__.py").write_text("raise ImportError('decoderlab is not installed in this test')\n")
 
     lm_eval = pathlib.Path(sys.executable).parent / "lm_eval"
-    model_args = f"pretrained={checkpoint},trust_remote_code=True,prefix_token_id=0"
+    model_args = f"pretrained={checkpoint},trust_remote_code=True"
     command = [str(lm_eval), "run", "--model", "hf", "--model_args", model_args, "--include_path", str(tasks),
                "--tasks", "shakespeare_lines,tiny_shakespeare_ppl", "--device", "cpu", "--batch_size", "16",
                "--output_path", str(tmp_path / "results")]  # fmt: skip
@@ -147,7 +176,7 @@ def test_lm_evaluation_harness_runs_the_checkpoint_through_trust_remote_code(tmp
     log_likelihood = 0.0
     for line in lines:
         ids = tokenizer(line)["input_ids"]
-        inputs = torch.tensor([[0] + ids[:-1]])
+        inputs = torch.tensor([[tokenizer.bos_token_id] + ids[:-1]])
         with torch.no_grad():
             log_probs = model(input_ids=inputs).logits[0].log_softmax(-1)
         log_likelihood += log_probs[torch.arange(len(ids)), ids].sum().item()

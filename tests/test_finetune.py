@@ -33,6 +33,7 @@ import decoderlab
 from tests.paths import INPUT_TXT, REPO_ROOT
 from tests.training_runs import (
     char_model_config,
+    char_tokenizer_without_special_tokens,
     final_eval_loss,
     folder_snapshot,
     kill_when_saved,
@@ -180,7 +181,36 @@ BAD_INPUT = {
     "prompt longer than the block": (["--block_size", "8", "--overlong_prompt", "refuse"], "block_size=8"),
     "llama checkpoint": ([], r"is a llama checkpoint\. Convert it .*python -m decoderlab\.convert --from llama"),
     "tokenizer bigger than the vocabulary": ([], r"The tokenizer has \d+ tokens but .* embeds only vocab_size=16"),
+    "tokenizer without special tokens": ([], r"has no eos_token and no pad_token .* Add --add_special_tokens"),
+    "new token with an unmerged adapter": (["--add_special_tokens", "--use_lora"], r"Add --merge_lora"),
 }
+
+
+def old_char_checkpoint(folder: pathlib.Path, tokenizer) -> pathlib.Path:
+    """A tiny checkpoint saved before the scripts' tokenizers had special tokens: the characters of ``tokenizer``
+    only (ids 0..64), no EOS, padding or BOS, in the tokenizer, config or generation config."""
+    chars = [token for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if len(token) == 1]
+    old = char_tokenizer_without_special_tokens(["".join(chars)])
+    torch.manual_seed(0)
+    return save_checkpoint_folder(decoderlab.DecoderLabForCausalLM(char_model_config(old)), old, folder)
+
+
+def test_add_special_tokens_fine_tunes_an_old_checkpoint_into_one_tools_accept(tmp_path, base_checkpoint, speech_data):
+    """--add_special_tokens on a checkpoint without special tokens: <|endoftext|> becomes id 65 after the 65
+    characters, the embeddings grow to 66 rows, and the output's tokenizer, config and generation config all
+    name it as EOS, padding and BOS."""
+    base = old_char_checkpoint(tmp_path / "old", AutoTokenizer.from_pretrained(base_checkpoint))
+    out = tmp_path / "out"
+    finetune.main(
+        finetune_argv(base, speech_data, "prompt_completion", out, "--max_train_steps", "3", "--add_special_tokens")
+    )
+    tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModelForCausalLM.from_pretrained(out)
+    old_vocab = AutoTokenizer.from_pretrained(base).get_vocab()
+    assert tokenizer.get_vocab() == {**old_vocab, "<|endoftext|>": 65}
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (65, 65, 65)
+    assert model.config.vocab_size == 66 and model.get_input_embeddings().num_embeddings == 66
+    for config in (model.config, model.generation_config):
+        assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (65, 65, 65)
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
@@ -202,6 +232,8 @@ def test_bad_input_stops_before_training(tmp_path, base_checkpoint, speech_data,
         shutil.copytree(base_checkpoint, base)
         config = json.loads((base / "config.json").read_text())
         (base / "config.json").write_text(json.dumps({**config, "vocab_size": 16}))
+    if case in ("tokenizer without special tokens", "new token with an unmerged adapter"):
+        base = old_char_checkpoint(tmp_path / "old", AutoTokenizer.from_pretrained(base_checkpoint))
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=message):
         finetune.main(finetune_argv(base, speech_data, "prompt_completion", out, "--max_train_steps", "5", *extra))

@@ -38,26 +38,28 @@ def trained_positions(labels: list[int]) -> list[int]:
 
 
 def test_prompt_completion_labels_mask_exactly_the_prompt(char_tokenizer, tiny_model):
-    """Every prompt character is -100, every completion character is its own id, and the model's loss with
-    these labels is the cross-entropy of predicting the completion characters only (position t scores t + 1)."""
+    """Every prompt character is -100, every completion character and the end-of-text token after them is its
+    own id, and the model's loss with these labels is the cross-entropy of predicting the completion characters
+    and that end only (position t scores t + 1)."""
     prompt, completion = "ROMEO:\n", "Ay me!"
     cfg = config(data_format="prompt_completion")
     example = tokenize_example({"prompt": prompt, "completion": completion}, char_tokenizer, cfg, 0)
     ids, labels = example["input_ids"], example["labels"]
-    assert ids == char_tokenizer(prompt + completion)["input_ids"]  # no end-of-text: the char tokenizer has none
-    assert trained_positions(labels) == list(range(7, 13))  # "ROMEO:\n" is 7 characters, "Ay me!" 6
-    assert [labels[i] for i in range(7, 13)] == ids[7:]
+    assert ids == char_tokenizer(prompt + completion)["input_ids"] + [char_tokenizer.eos_token_id]
+    assert trained_positions(labels) == list(range(7, 14))  # "ROMEO:\n" is 7 characters, "Ay me!" 6, then EOS
+    assert [labels[i] for i in range(7, 14)] == ids[7:]
 
     model = tiny_model(vocab_size=len(char_tokenizer))
     input_ids, labels = torch.tensor([ids]), torch.tensor([labels])
     logits = model(input_ids=input_ids).logits[0]
-    expected = F.cross_entropy(logits[6:12], input_ids[0, 7:13])  # predictions made at positions 6..11
+    expected = F.cross_entropy(logits[6:13], input_ids[0, 7:14])  # predictions made at positions 6..12
     assert model(input_ids=input_ids, labels=labels).loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_chat_labels_cover_exactly_the_assistant_turns(char_tokenizer):
-    """With the default template, the targets are each assistant message and the blank line closing it:
-    never the role headers, the user's words or the opening assistant greeting (no question before it)."""
+    """With the default template, the targets are each assistant message, the end-of-text token after it and
+    the blank line closing it: never the role headers, the user's words or the opening assistant greeting (no
+    question before it)."""
     char_tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     messages = [
         {"role": "assistant", "content": "Welcome."},
@@ -67,11 +69,12 @@ def test_chat_labels_cover_exactly_the_assistant_turns(char_tokenizer):
         {"role": "assistant", "content": "Ay."},
     ]
     example = tokenize_example({"messages": messages}, char_tokenizer, config(data_format="chat"), 0)
-    text = "ASSISTANT: Welcome.\n\nUSER: Speak as ROMEO\n\nASSISTANT: Ay me!\n\nUSER: Again\n\nASSISTANT: Ay.\n\n"
-    assert char_tokenizer.decode(example["input_ids"]) == text
-    first = len("ASSISTANT: Welcome.\n\nUSER: Speak as ROMEO\n\nASSISTANT: ")
-    second = first + len("Ay me!\n\nUSER: Again\n\nASSISTANT: ")
-    expected = list(range(first, first + len("Ay me!\n\n"))) + list(range(second, second + len("Ay.\n\n")))
+    text = "ASSISTANT: Welcome.E\n\nUSER: Speak as ROMEO\n\nASSISTANT: Ay me!E\n\nUSER: Again\n\nASSISTANT: Ay.E\n\n"
+    assert char_tokenizer.decode(example["input_ids"]) == text.replace("E\n", "<|endoftext|>\n")
+    # positions are tokens: one per character, one for each end-of-text (E above)
+    first = len("ASSISTANT: Welcome.E\n\nUSER: Speak as ROMEO\n\nASSISTANT: ")
+    second = first + len("Ay me!E\n\nUSER: Again\n\nASSISTANT: ")
+    expected = list(range(first, first + len("Ay me!E\n\n"))) + list(range(second, second + len("Ay.E\n\n")))
     assert trained_positions(example["labels"]) == expected
 
 

@@ -1,5 +1,7 @@
 """training/data.py: tokenizers, loading errors, packing and the resumable, sharded batches."""
 
+import json
+
 import datasets
 import pytest
 import torch
@@ -30,12 +32,16 @@ def corpus() -> str:
 
 def test_char_tokenizer_round_trips_the_corpus_with_nanogpts_ids(corpus, tmp_path):
     """Saved and reloaded through AutoTokenizer, the character tokenizer gives back all of Tiny Shakespeare
-    unchanged, with 65 tokens numbered like nanoGPT's shakespeare_char (sorted characters)."""
+    unchanged, with 65 character tokens numbered like nanoGPT's shakespeare_char (sorted characters), then the
+    end-of-text token (id 65) as EOS, padding and BOS, none of them added to the text by encoding."""
     train_char_tokenizer([corpus]).save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
-    ids = tokenizer(corpus, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(corpus)["input_ids"]
     chars = sorted(set(corpus))
-    assert len(tokenizer) == 65
+    assert len(tokenizer) == 66
+    assert tokenizer.convert_ids_to_tokens(list(range(65))) == chars
+    assert tokenizer.convert_ids_to_tokens(65) == "<|endoftext|>"
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (65, 65, 65)
     assert ids[:1000] == [chars.index(c) for c in corpus[:1000]]
     assert len(ids) == len(corpus)
     assert tokenizer.decode(ids) == corpus
@@ -56,7 +62,7 @@ def test_bpe_tokenizer_round_trips_and_has_eos(corpus, tmp_path):
     sample = corpus[500_000:502_000] + " naïve café ✓"
     ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
     assert len(tokenizer) == 400
-    assert tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.eos_token == tokenizer.pad_token == tokenizer.bos_token == "<|endoftext|>"
     assert len(ids) < 0.7 * len(sample)
     assert tokenizer.decode(ids) == sample
 
@@ -127,6 +133,25 @@ def test_packing_concatenates_and_caches(corpus, tmp_path):
     assert second.cache_files == first.cache_files
     other = pack(train, train_char_tokenizer([corpus[:20_000]]), Packing.of(cfg), "train")
     assert other._fingerprint != first._fingerprint  # another vocabulary: tokenized again
+
+
+def test_documents_are_separated_by_the_end_of_text_token(tmp_path):
+    """Rows of a multi-document dataset (jsonl) are packed as each document's characters followed by the
+    character tokenizer's end-of-text token (id 65 after 65 characters); the lines of a .txt file are not."""
+    documents = ["To be, or not to be", "that is the question:", "Whether 'tis nobler in the mind"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    (tmp_path / "lines.txt").write_text("".join(d + "\n" for d in documents))
+    tokenizer = train_char_tokenizer(documents + ["\n"])
+    eos = tokenizer.eos_token_id
+    assert eos == len(set("".join(documents + ["\n"])))
+    expected = {
+        "docs.jsonl": [i for d in documents for i in tokenizer(d)["input_ids"] + [eos]],
+        "lines.txt": tokenizer("".join(d + "\n" for d in documents))["input_ids"],
+    }
+    for name, ids in expected.items():
+        cfg = TrainConfig(train_file=str(tmp_path / name), block_size=8, dataset_name=None)
+        blocks = block_tensor(pack(load_text_splits(cfg)[0], tokenizer, Packing.of(cfg), "train"))
+        assert blocks.flatten().tolist() == ids[: len(ids) // 8 * 8], name
 
 
 def test_validation_carved_off_the_end():

@@ -283,7 +283,8 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
 
     generate.main([str(out), "--prompt", "ROMEO:", "--max_new_tokens", "40"])
     sample = capsys.readouterr().out
-    assert sample.startswith("ROMEO:") and len(sample.rstrip("\n")) == len("ROMEO:") + 40
+    # 40 sampled characters, fewer only if the model samples <|endoftext|> (it ends the text; not printed)
+    assert sample.startswith("ROMEO:") and len("ROMEO:") < len(sample.rstrip("\n")) <= len("ROMEO:") + 40
 
     # --stop ends the (greedy, so repeatable) text right after the first occurrence of the stop string
     generate.main([str(out), "--prompt", "ROMEO:", "--max_new_tokens", "40", "--greedy"])

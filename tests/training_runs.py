@@ -7,19 +7,35 @@ import signal
 import subprocess
 import time
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 import decoderlab
 from training.loop import METRICS_NAME, read_metrics
 
 
 def char_model_config(tokenizer, max_position_embeddings: int = 128) -> decoderlab.DecoderLabConfig:
-    """2 layers x 32 wide x 2 heads over the tokenizer's vocabulary."""
+    """2 layers x 32 wide x 2 heads over the tokenizer's vocabulary, with its special tokens (None if it has none)."""
     return decoderlab.DecoderLabConfig(
         vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=max_position_embeddings,
     )
+
+
+def char_tokenizer_without_special_tokens(texts) -> PreTrainedTokenizerFast:
+    """The character tokenizer as the training scripts made it before it had an end-of-text token (issue 16):
+    the sorted characters only, no EOS, padding or BOS; what older checkpoints hold."""
+    chars = sorted(set().union(*map(set, texts)))
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
 
 
 def save_checkpoint_folder(model, tokenizer, folder: pathlib.Path) -> pathlib.Path:

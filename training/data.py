@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EOS_TOKEN = "<|endoftext|>"
+# The end-of-text token is also the padding token (padded positions are masked, so any id would do, and this
+# needs no extra one) and the beginning-of-sequence token, as in GPT-2: what ends one document is what the next
+# follows in packed training, so tools that put a BOS before a text (lm-eval's prefix token) condition on it.
+SPECIAL_TOKENS = {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": EOS_TOKEN}
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
 
@@ -148,16 +152,21 @@ def iter_texts(split: TextSplit, column: str, limit: int | None = None) -> Itera
 # 2. Tokenizers
 
 
-def wrap_tokenizer(tokenizer: Tokenizer, **special_tokens) -> PreTrainedTokenizerFast:
-    """A transformers tokenizer around a ``tokenizers`` one; no clean-up of spaces, so decode(encode(s)) == s."""
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, **special_tokens)
+def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    """A transformers tokenizer around a ``tokenizers`` one that holds ``EOS_TOKEN``: no clean-up of spaces, so
+    decode(encode(s)) == s, and the special tokens tools look for (``SPECIAL_TOKENS``). Padding is on the left,
+    as batched generation with a decoder-only model needs (the fine-tuning data pads its own rows)."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, padding_side="left", **SPECIAL_TOKENS
+    )
 
 
 def train_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
-    """One token per character; ids are the sorted characters' ranks (nanoGPT's ``shakespeare_char`` ids).
+    """One token per character, then ``<|endoftext|>``: ids 0..N-1 are the sorted characters' ranks (nanoGPT's
+    ``shakespeare_char`` ids, so losses compare), id N the end-of-text token (66 tokens for Tiny Shakespeare).
 
-    There is no unknown token, so the vocabulary is exactly the characters seen (65 for Tiny
-    Shakespeare), and encoding a character outside it raises instead of silently changing the text.
+    There is no unknown token, so the vocabulary is exactly the characters seen plus the end-of-text token,
+    and encoding a character outside it raises instead of silently changing the text.
     """
     chars = sorted(set().union(*map(set, texts)))
     if not chars:
@@ -166,11 +175,13 @@ def train_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     # every character (newlines included: Oniguruma's (?m) makes '.' match them) is its own word
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # concatenate the characters back, no spaces added
+    tokenizer.add_special_tokens([EOS_TOKEN])  # after the characters: id len(chars)
     return wrap_tokenizer(tokenizer)
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (GPT-2's scheme) trained on ``texts``, with ``<|endoftext|>`` as its end-of-text token."""
+    """Byte-level BPE (GPT-2's scheme) trained on ``texts``, with ``<|endoftext|>`` (id 0) as its end-of-text,
+    padding and beginning-of-sequence token."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -181,7 +192,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedToke
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    return wrap_tokenizer(tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
+    return wrap_tokenizer(tokenizer)
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:

@@ -33,7 +33,13 @@ from training.checkpointing import resolve_checkpoint
 from training.finetune_args import FinetuneConfig
 from training.finish import finish_run
 from training.loop import make_accelerator, setup_script_logging, train
-from training.models import load_base_model, load_base_tokenizer
+from training.models import (
+    add_special_tokens,
+    check_special_tokens,
+    load_base_model,
+    load_base_tokenizer,
+    missing_special_tokens,
+)
 from training.sft_data import prepare_finetune_data, set_chat_template
 
 logger = logging.getLogger("training.finetune")
@@ -95,14 +101,28 @@ def main(argv: list[str] | None = None) -> None:
     setup_script_logging(accelerator)
     set_seed(cfg.seed)
 
-    # Everything that can be wrong is checked here, before the first step: tokenizer, data, model, LoRA.
+    # Everything that can be wrong is checked here, before the first step: tokenizer, model, data, LoRA.
     own_tokenizer = cfg.tokenizer_name == cfg.model_name_or_path
     tokenizer = load_base_tokenizer(cfg.tokenizer_name, cfg.revision if own_tokenizer else None, cfg.trust_remote_code)
+    if not cfg.add_special_tokens:
+        check_special_tokens(tokenizer, cfg.tokenizer_name)
+    elif tokenizer.eos_token is None and cfg.use_lora and not cfg.merge_lora:
+        raise ValueError(
+            f"--add_special_tokens gives {cfg.tokenizer_name}'s tokenizer a new token, whose embedding rows an "
+            "unmerged LoRA adapter would not carry (it loads onto the unchanged base). Add --merge_lora, or "
+            "fine-tune fully."
+        )
+    model = load_base_model(cfg.model_name_or_path, tokenizer, cfg.block_size, cfg.revision, cfg.trust_remote_code)
+    if cfg.add_special_tokens and missing_special_tokens(tokenizer):
+        added = add_special_tokens(model, tokenizer)
+        logger.info(
+            f"Added the special tokens: {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) is the end-of-text, "
+            f"padding and BOS token; {added} new token(s), {len(tokenizer)} in the vocabulary."
+        )
+    base_config = DecoderLabConfig.from_dict(model.config.to_dict())
     if cfg.data_format == "chat":
         set_chat_template(tokenizer, cfg.chat_template)
     batches, eval_rows = prepare_finetune_data(cfg, accelerator, tokenizer)
-    model = load_base_model(cfg.model_name_or_path, tokenizer, cfg.block_size, cfg.revision, cfg.trust_remote_code)
-    base_config = DecoderLabConfig.from_dict(model.config.to_dict())
     if cfg.use_lora:
         model = apply_lora(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

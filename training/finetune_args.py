@@ -38,6 +38,11 @@ class FinetuneConfig(TrainConfig):
     # --- the base checkpoint
     revision: str | None = option(None, "branch, tag or commit of a Hub base checkpoint (and of its tokenizer)")
     trust_remote_code: bool = option(False, "run the checkpoint's own model code (Hub repos, decoderlab not installed)")
+    add_special_tokens: bool = option(
+        False,
+        "give a tokenizer without an end-of-text or padding token <|endoftext|> as both (and BOS), resizing the "
+        "embeddings; without it such a checkpoint is refused",
+    )
     # --- the data
     data_format: DATA_FORMATS = option(
         "text",

@@ -7,8 +7,9 @@ The checkpoint is any folder (or Hub id) that ``AutoModelForCausalLM`` and ``Aut
 A model trained on blocks of ``max_position_embeddings`` tokens has never seen a longer context, so
 longer texts are generated in a sliding window: each chunk continues the last half-window of text
 and stops before the window is full, so no token is predicted from more context than training used.
-``--stop TEXT`` ends a sample where TEXT first appears (transformers' ``stop_strings``): the way to end
-an answer for a tokenizer without an end-of-text token, such as the character-level one.
+``--stop TEXT`` ends a sample where TEXT first appears (transformers' ``stop_strings``); a sample also ends
+when the model emits the end-of-text token. ``--stop`` is the way to end an answer for a checkpoint whose
+tokenizer has no end-of-text token (character-level ones made before it had ``<|endoftext|>``).
 """
 
 import argparse

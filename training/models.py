@@ -7,6 +7,8 @@
   fine-tuning, evaluation).
 - ``check_model_fits``: the checks every run makes before its first step, that the model can embed every
   token of the tokenizer and has a position for every token of a block.
+- ``check_special_tokens`` and ``add_special_tokens``: a checkpoint whose tokenizer has no end-of-text or
+  padding token (made before the scripts' tokenizers had them) is refused for fine-tuning, or given them.
 """
 
 import pathlib
@@ -22,6 +24,8 @@ from transformers import (
 )
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+
+from .data import EOS_TOKEN
 
 # Files that hold a vocabulary (tokenizer_config.json alone does not)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -49,11 +53,49 @@ def check_model_fits(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBas
         )
 
 
+def missing_special_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The tokens tools expect that ``tokenizer`` lacks: ``eos_token`` (generation stops, lm-eval's prefix,
+    documents end) and ``pad_token`` (batches: pipelines, TRL)."""
+    return [name for name in ("eos_token", "pad_token") if getattr(tokenizer, name) is None]
+
+
+def check_special_tokens(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    """A ValueError, saying how to add them, when the tokenizer of ``name`` lacks an end-of-text or padding token."""
+    missing = missing_special_tokens(tokenizer)
+    if missing:
+        grows = "grows the vocabulary by one token" if tokenizer.eos_token is None else "adds no token"
+        raise ValueError(
+            f"The tokenizer of {name} has no {' and no '.join(missing)} (it was made before the training scripts' "
+            "tokenizers had them): completions could not learn to end, and TRL, lm-eval and batched pipelines "
+            f"need them. Add --add_special_tokens: {EOS_TOKEN} (or the existing end-of-text token) becomes the "
+            f"end-of-text, padding and beginning-of-sequence token; this {grows} and resizes the model's "
+            "embeddings to match (resize_token_embeddings), and the output checkpoint keeps them."
+        )
+
+
+def add_special_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+    """Give ``tokenizer`` the end-of-text token (``EOS_TOKEN``, a new id, when it has none) and use it for padding
+    and BOS where those are missing; grow ``model``'s embeddings to the tokenizer (new rows: transformers' mean
+    of the old ones) and write the ids into its config and generation config. Returns the tokens added."""
+    added = 0 if tokenizer.eos_token is not None else tokenizer.add_special_tokens({"eos_token": EOS_TOKEN})
+    for name in ("pad_token", "bos_token"):
+        if getattr(tokenizer, name) is None:
+            setattr(tokenizer, name, tokenizer.eos_token)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    for config in (model.config, model.generation_config):
+        for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            setattr(config, name, getattr(tokenizer, name))
+    return added
+
+
 def set_sampling_defaults(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Sampling defaults for ``generate()`` and pipelines (nanoGPT's sample.py uses temperature 0.8)."""
     generation = model.generation_config
     generation.do_sample, generation.temperature, generation.top_k, generation.max_new_tokens = True, 0.8, 200, 256
-    generation.pad_token_id = generation.eos_token_id = tokenizer.eos_token_id
+    generation.eos_token_id, generation.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+    # a tokenizer without a padding token (one made before decoderlab's had one): pad with the end of text
+    generation.pad_token_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: int) -> DecoderLabForCausalLM:
@@ -64,8 +106,8 @@ def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: in
     default to the tokenizer's.
     """
     fields = {"vocab_size": len(tokenizer), "max_position_embeddings": block_size, **fields}
-    fields.setdefault("eos_token_id", tokenizer.eos_token_id)
-    fields.setdefault("bos_token_id", tokenizer.bos_token_id)
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        fields.setdefault(name, getattr(tokenizer, name))
     config = DecoderLabConfig(**fields)
     check_model_fits(config, tokenizer, block_size, "the model")
     model = DecoderLabForCausalLM(config)
