@@ -46,7 +46,8 @@ def load(folder):
 
 def test_evaluate_matches_a_direct_computation_and_fills_the_model_card(tmp_path, corpus, checkpoint):
     """Packed text: the mean cross-entropy over every next-token prediction of the file's blocks of 32 characters.
-    Prompt/completion (packed): the cross-entropy over the completion characters of each pair run on its own.
+    Prompt/completion (packed): the cross-entropy over the completion characters and the end-of-text token after
+    them, of each pair run on its own.
     Both results go to the JSON file and the card's model-index, the second without removing the first."""
     text_file = tmp_path / "validation.txt"
     text_file.write_text(corpus[-3000:], encoding="utf-8")
@@ -72,8 +73,9 @@ def test_evaluate_matches_a_direct_computation_and_fills_the_model_card(tmp_path
 
     pair = evaluate.main([str(checkpoint), "--data_file", str(pairs_file), "--data_format", "prompt_completion"])
     total, count = 0.0, 0
+    eos = [tokenizer.eos_token_id]  # every completion ends with the end-of-text token, which is scored too
     for prompt, completion in pairs:
-        prompt_ids, completion_ids = tokenizer(prompt)["input_ids"], tokenizer(completion)["input_ids"]
+        prompt_ids, completion_ids = tokenizer(prompt)["input_ids"], tokenizer(completion)["input_ids"] + eos
         example = torch.tensor([prompt_ids + completion_ids])
         with torch.no_grad():
             example_logits = model(input_ids=example).logits[0]
@@ -81,7 +83,7 @@ def test_evaluate_matches_a_direct_computation_and_fills_the_model_card(tmp_path
         total += F.cross_entropy(example_logits[n - 1 : -1], example[0, n:], reduction="sum").item()
         count += len(completion_ids)
     assert pair["eval_loss"] == pytest.approx(total / count, rel=1e-6)
-    assert pair["scored_tokens"] == count == sum(len(c) for _, c in pairs)
+    assert pair["scored_tokens"] == count == sum(len(c) + 1 for _, c in pairs)
 
     card = ModelCard.load(checkpoint / "README.md")
     recorded = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
