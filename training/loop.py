@@ -15,6 +15,7 @@ evaluations can be limited to ``cfg.max_eval_samples`` blocks.
 import json
 import logging
 import math
+import os
 import pathlib
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 import datasets
 import torch
 import transformers
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -48,6 +51,55 @@ class NonFiniteLossError(RuntimeError):
         self.history = history if history is not None else []
 
 
+# The sharding engines an `accelerate launch` config (or --use_fsdp / --use_deepspeed) selects, by the environment
+# variable the launcher sets for them, and the distributed type Accelerate gives a run that really uses them.
+SHARDING_ENGINES = {
+    "FSDP": ("ACCELERATE_USE_FSDP", DistributedType.FSDP),
+    "DeepSpeed": ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
+}
+
+
+def requested_sharding() -> str | None:
+    """``"FSDP"`` or ``"DeepSpeed"`` when the launcher asked for that engine, else None; read as Accelerate reads
+    it (``accelerate/state.py``: the variable, lower-cased, equals ``"true"``)."""
+    for engine, (variable, _) in SHARDING_ENGINES.items():
+        if os.environ.get(variable, "false").lower() == "true":
+            return engine
+    return None
+
+
+def refuse_unsharded(state: PartialState | AcceleratorState) -> None:
+    """Stop a run whose launcher asked for FSDP or DeepSpeed when Accelerate set it up as something else.
+
+    Accelerate 1.15 turns FSDP and DeepSpeed on only over GPU-like devices (``accelerate/state.py``); on CPUs it
+    runs the same launch as MULTI_CPU data parallelism without a word, so a model chosen for sharding would be
+    replicated whole on every process. Called before any data is read.
+    """
+    engine = requested_sharding()
+    if engine is None or state.distributed_type == SHARDING_ENGINES[engine][1]:
+        return
+    variable = SHARDING_ENGINES[engine][0]
+    if state.distributed_type == DistributedType.NO:
+        instead = f"one process on {state.device.type} holding the whole model (nothing sharded)"
+    else:
+        instead = (
+            f"{state.num_processes} data-parallel processes on {state.device.type}, each holding the whole model, "
+            "its gradients and optimizer state (DDP: nothing sharded)"
+        )
+    if state.device.type == "cpu":
+        why = (
+            "FSDP and DeepSpeed through Accelerate need a GPU-like device (CUDA, XPU, NPU, ...), and this run is on CPU"
+        )
+    else:
+        why = "Accelerate enables them only in processes started by `accelerate launch` (or torchrun)"
+    raise ValueError(
+        f"The launch asked for {engine} sharding ({variable}=true, from `accelerate launch --config_file ...` or "
+        f"its --use_{engine.lower()} flag), but Accelerate set this run up as {state.distributed_type.value}: "
+        f"{instead}. {why}. For data parallelism on CPUs, launch with --config_file "
+        "training/accelerate_configs/cpu_ddp.yaml; sharded training on CPU is not available yet."
+    )
+
+
 def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accelerator:
     """The Accelerator every script uses: accumulation, mixed precision and trackers from ``cfg`` (none of
     them without one: evaluation).
@@ -55,17 +107,28 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
     ``cpu=True`` on machines without an accelerator: Accelerate only turns processes started by
     ``torchrun`` into gloo data-parallel ranks when told it runs on CPU; otherwise each process would
     silently train its own copy of the model. ``cpu=True`` also forces the CPU where there is a GPU.
+
+    A launch that asks for FSDP or DeepSpeed where Accelerate cannot give it stops here (``refuse_unsharded``).
     """
     cpu = cpu or not torch.accelerator.is_available()
+    if cpu and requested_sharding() == "DeepSpeed":
+        # Accelerate never enables DeepSpeed with cpu=True (state.py: `... and not cpu`). Checked before building the
+        # Accelerator, which would otherwise stop at "DeepSpeed is not installed" where it is not (a run started
+        # with the variable set but not by `accelerate launch`, which refuses by itself): installing it would
+        # only lead to the data-parallel run.
+        refuse_unsharded(PartialState(cpu=True))
     if cfg is None:
-        return Accelerator(cpu=cpu)
-    return Accelerator(
-        cpu=cpu,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.mixed_precision,
-        log_with=[name.strip() for name in cfg.report_to.split(",")] if cfg.with_tracking else None,
-        project_dir=cfg.output_dir,
-    )
+        accelerator = Accelerator(cpu=cpu)
+    else:
+        accelerator = Accelerator(
+            cpu=cpu,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            mixed_precision=cfg.mixed_precision,
+            log_with=[name.strip() for name in cfg.report_to.split(",")] if cfg.with_tracking else None,
+            project_dir=cfg.output_dir,
+        )
+    refuse_unsharded(accelerator.state)
+    return accelerator
 
 
 def setup_script_logging(accelerator: Accelerator) -> None:
