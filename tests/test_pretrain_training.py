@@ -99,6 +99,45 @@ def test_evaluate_weights_every_predicted_token_once(tiny_model):
     assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
 
 
+@pytest.fixture
+def launch_env(monkeypatch):
+    """No sharding variable from the test's own environment; the ones a test sets, and the one Accelerate's FSDP
+    plugin writes (FSDP_CPU_RAM_EFFICIENT_LOADING), are restored afterwards."""
+    for variable in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
+        monkeypatch.delenv(variable, raising=False)
+    return monkeypatch
+
+
+def test_fsdp_launch_that_cannot_shard_is_refused(launch_env):
+    """An FSDP launch on CPU, where Accelerate would quietly run plain data parallelism (here: one process,
+    distributed type NO), stops while the Accelerator is built, naming FSDP, what would have run instead, why,
+    and the CPU data-parallel config to use."""
+    launch_env.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp.yaml` sets
+    with pytest.raises(ValueError, match="asked for FSDP sharding") as error:
+        make_accelerator(TrainConfig())
+    message = str(error.value)
+    assert "whole model (nothing sharded)" in message and "need a GPU-like device" in message
+    assert "training/accelerate_configs/cpu_ddp.yaml" in message and "not available yet" in message
+
+
+def test_deepspeed_launch_that_cannot_shard_is_refused(launch_env):
+    """The same for DeepSpeed, and before Accelerate's own "DeepSpeed is not installed" (installing it would
+    only lead to the unsharded run): a ValueError naming DeepSpeed, not an ImportError."""
+    launch_env.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="asked for DeepSpeed sharding") as error:
+        make_accelerator(TrainConfig())
+    assert "whole model (nothing sharded)" in str(error.value) and "cpu_ddp.yaml" in str(error.value)
+
+
+def test_launch_without_sharding_is_unaffected(launch_env):
+    """No sharding asked for, or the variables set to "false" (read as Accelerate reads them): the Accelerator
+    is built as before."""
+    assert make_accelerator(TrainConfig()).distributed_type == "NO"
+    launch_env.setenv("ACCELERATE_USE_FSDP", "false")
+    launch_env.setenv("ACCELERATE_USE_DEEPSPEED", "False")
+    assert make_accelerator(TrainConfig()).distributed_type == "NO"
+
+
 class ListBatches:
     """The loop's batch protocol over a fixed list of batches, repeated."""
 
@@ -389,3 +428,24 @@ def test_two_processes_follow_the_single_process_curve(tmp_path, text_files):
     for step in expected:
         assert got[step] == pytest.approx(expected[step], abs=1e-4), step
     assert final_eval_loss(parallel) == pytest.approx(final_eval_loss(single), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_config_on_cpus_stops_before_training(tmp_path, text_files):
+    """`accelerate launch --config_file training/accelerate_configs/fsdp.yaml --num_processes 2` on a machine
+    without GPUs used to train 2 DDP processes (MULTI_CPU, the model whole on each) and exit 0 without a word
+    about sharding. Now it exits non-zero with the reason, before reading data or writing anything."""
+    output_dir = tmp_path / "fsdp"
+    config = REPO_ROOT / "training" / "accelerate_configs" / "fsdp.yaml"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                "--num_processes", "2", "--mixed_precision", "no"]  # fmt: skip
+    steps = ["--max_train_steps", "3", "--checkpointing_steps", "none", "--eval_steps", "none"]
+    result = subprocess.run(
+        [*launcher, str(PRETRAIN), *tiny_argv(text_files, output_dir, *steps)],
+        env=subprocess_env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "asked for FSDP sharding" in result.stderr, result.stderr[-3000:]
+    assert "MULTI_CPU: 2 data-parallel processes on cpu" in result.stderr
+    assert "cpu_ddp.yaml" in result.stderr
+    assert not output_dir.exists()  # no checkpoint, no metrics, no final folder
