@@ -10,6 +10,7 @@ from .compat_decoderlab import OUTPUT_CACHE_FIELD  # isort: skip
 import copy
 import functools
 import math
+import types
 import typing
 from typing import Literal
 
@@ -273,8 +274,21 @@ DecoderLabConfig.__eq__ = _config_eq
 _strict_init = DecoderLabConfig.__init__
 
 
+def _takes_float(field: str) -> bool:
+    hint = DecoderLabConfig.__annotations__.get(field)
+    return hint is float or (
+        typing.get_origin(hint) in (typing.Union, types.UnionType) and float in typing.get_args(hint)
+    )
+
+
 @functools.wraps(_strict_init)
 def _init_raising_value_error(self, *args, **kwargs):
+    # A whole number for a float field (`embedding_multiplier: 8` in YAML, `norm_eps=1` in Python) is that float,
+    # as in JSON; @strict alone would refuse the int
+    kwargs = {
+        k: float(v) if type(v) is int and _takes_float(k) else v  # bool is an int subclass: left to @strict
+        for k, v in kwargs.items()
+    }
     try:
         _strict_init(self, *args, **kwargs)
     except StrictDataclassError as err:

@@ -283,3 +283,16 @@ def test_invalid_combination_in_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
         AutoConfig.from_pretrained(tmp_path)
+
+
+def test_whole_numbers_for_float_fields_are_floats():
+    """`embedding_multiplier: 8` in a recipe, `norm_eps=1` in Python: a whole number given to a float field is that
+    float (as JSON and YAML write it), stored as a float and saved as one; a bool or a string is still refused with
+    the field named."""
+    config = DecoderLabConfig(embedding_multiplier=8, norm_eps=1, attention_scale=1)
+    assert (config.embedding_multiplier, config.norm_eps, config.attention_scale) == (8.0, 1.0, 1.0)
+    assert all(type(v) is float for v in (config.embedding_multiplier, config.norm_eps, config.attention_scale))
+    assert DecoderLabConfig.from_dict(config.to_dict()) == config
+    for bad in (True, "8"):
+        with pytest.raises(ValueError, match="embedding_multiplier"):
+            DecoderLabConfig(embedding_multiplier=bad)
