@@ -54,11 +54,16 @@ def _best_round(product, x: torch.Tensor, weight: torch.Tensor, calls: int) -> f
     return time.perf_counter() - start
 
 
+def timing_key(out_features: int, in_features: int, rows: int) -> tuple[int, int, int, int]:
+    """What a timing is remembered by: the weight's shape, the rows and the current thread count."""
+    return out_features, in_features, rows, torch.get_num_threads()
+
+
 def few_rows_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``few_rows_product`` is clearly faster than ``plain_product`` for this shape on this machine at the
     current thread count: timed at its first use (both products alternately, best round of each, a few
     milliseconds at most for a large layer), then remembered."""
-    key = (weight.shape[0], weight.shape[1], x.shape[0], torch.get_num_threads())
+    key = timing_key(weight.shape[0], weight.shape[1], x.shape[0])
     faster = _FEW_ROWS_FASTER.get(key)
     if faster is None:
         start = time.perf_counter()
@@ -90,11 +95,11 @@ class DecoderLabLinear(nn.Linear):
         # Read once: a module attribute costs about as much as a small layer's product, and a decoding step makes
         # hundreds of these calls. A shape already timed slower here goes straight to F.linear.
         weight, bias = self.weight, self.bias
-        rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
+        rows = self.few_rows(x)
         if (
-            0 < rows <= self.MAX_FEW_ROWS
+            rows
             and not is_torchdynamo_compiling()  # nothing can be timed inside a traced graph
-            and _FEW_ROWS_FASTER.get((self.out_features, self.in_features, rows, torch.get_num_threads())) is not False
+            and _FEW_ROWS_FASTER.get(timing_key(self.out_features, self.in_features, rows)) is not False
             and few_rows_path_applies(x, weight, bias)
         ):
             x2d = x.reshape(rows, self.in_features)
@@ -105,15 +110,15 @@ class DecoderLabLinear(nn.Linear):
                 return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, weight, bias)
 
+    def few_rows(self, x: torch.Tensor) -> int:
+        """The rows of ``x`` when it is 1 to MAX_FEW_ROWS rows of the layer's width, else 0 (a wrong width is left
+        to F.linear, which names the mismatch)."""
+        rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
+        return rows if rows <= self.MAX_FEW_ROWS else 0
+
     def takes_few_rows_path(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` may take the few-rows product (if timed faster): 1 to MAX_FEW_ROWS rows of the layer's
-        width, and ``few_rows_path_applies``."""
-        rows = x.numel() // self.in_features
-        return (
-            x.shape[-1] == self.in_features
-            and 0 < rows <= self.MAX_FEW_ROWS
-            and few_rows_path_applies(x, self.weight, self.bias)
-        )
+        """Whether ``x`` may take the few-rows product (if timed faster): ``few_rows`` and ``few_rows_path_applies``."""
+        return bool(self.few_rows(x)) and few_rows_path_applies(x, self.weight, self.bias)
 
 
 def few_rows_path_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
