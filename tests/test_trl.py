@@ -309,3 +309,117 @@ def test_dpo_trainer_with_a_lora_adapter(tmp_path, checkpoint):
         assert result["reference"][key] == pytest.approx(before[key], abs=ATOL)
     margin = lambda logps: mean(logps["chosen"]) - mean(logps["rejected"])
     assert margin(after) > margin(before)
+
+
+REWARD = """
+from transformers import AutoModelForSequenceClassification
+from trl import RewardConfig, RewardTrainer
+
+model, tokenizer = load(args["checkpoint"], AutoModelForSequenceClassification, num_labels=1)
+config = trl_args(RewardConfig, max_steps=6, per_device_train_batch_size=4, learning_rate=1e-2, bf16=False,
+                  max_length=64)
+trainer = RewardTrainer(model=model, args=config, train_dataset=Dataset.from_dict(args["pairs"]),
+                        processing_class=tokenizer)
+batch = next(iter(trainer.get_train_dataloader()))  # chosen rows, then rejected rows, right-padded
+model.eval()
+rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+with torch.no_grad():
+    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
+    trl_loss = trainer.compute_loss(model, dict(batch)).item()
+    hidden = [model.model(input_ids=torch.tensor([r]), use_cache=False).last_hidden_state[0] for r in rows]
+    at_last_character = [model.score(h[-2]).item() for h in hidden]  # the token before the appended <|endoftext|>
+    at_end_of_text = [model.score(h[-1]).item() for h in hidden]
+model.train()
+trainer.train()
+finish({
+    "class": type(model).__name__, "eos": tokenizer.eos_token_id, "pad": model.config.pad_token_id, "rows": rows,
+    "padded": batch["attention_mask"].eq(0).any().item(), "rewards": rewards, "trl_loss": trl_loss,
+    "at_last_character": at_last_character, "at_end_of_text": at_end_of_text, "losses": logged(trainer, "loss"),
+})
+"""
+
+
+@pytest.mark.slow
+def test_reward_trainer_on_a_sequence_classification_head(tmp_path, checkpoint):
+    """RewardTrainer on AutoModelForSequenceClassification (num_labels=1) loaded from a causal-LM checkpoint through
+    its own code. TRL appends <|endoftext|> to every text and pads on the right with the same token; transformers'
+    head scores the rightmost token that is not the padding token, so with padding = end of text the reward is read
+    at each row's last character (the same whatever the padding), not at the appended end of text. The first loss is
+    -log sigmoid(chosen - rejected) of those rewards; six steps lower it."""
+    pairs = {
+        "chosen": ["ROMEO:\nAy me!", "JULIET:\nO Romeo, Romeo!", "NURSE:\nEven or odd.", "KING:\nOnce more."] * 2,
+        "rejected": ["ROMEO:\nzzq xj", "JULIET:\nQq, kkk!", "NURSE:\nvvv; zz", "KING:\nX; jjj qq zzz."] * 2,
+    }
+    result = run_trainer(REWARD, tmp_path, checkpoint=checkpoint(), pairs=pairs)
+    assert result["class"] == "DecoderLabForSequenceClassification"
+    assert result["pad"] == result["eos"] and result["padded"]
+    assert all(row[-1] == result["eos"] and row[-2] != result["eos"] for row in result["rows"])
+    assert result["rewards"] == pytest.approx(result["at_last_character"], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(result["rewards"], result["at_end_of_text"])) > 1e-3
+    chosen, rejected = result["rewards"][:4], result["rewards"][4:]
+    expected = sum(math.log1p(math.exp(r - c)) for c, r in zip(chosen, rejected)) / 4  # -log sigmoid(c - r)
+    assert result["trl_loss"] == pytest.approx(expected, rel=1e-5)
+    losses = result["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+GRPO = """
+from trl import GRPOConfig, GRPOTrainer
+
+result = {}
+for name, folder in args["checkpoints"].items():
+    model, tokenizer = load(folder)
+    rewards, checks = [], []
+
+    def share_of_e(completions, **kwargs):
+        # the toy reward: how much of the completion is the letter e
+        values = [c.count("e") / max(len(c), 1) for c in completions]
+        rewards.append(values)
+        return values
+
+    def compare_with_rows_alone(module, _, kwargs, output):
+        # TRL's first forward over prompt + completion (no cache): left-padded prompts, right-padded completions.
+        # Each row's real tokens alone must give the same hidden states.
+        mask = kwargs.get("attention_mask")
+        if checks or kwargs.get("use_cache") is not False or mask is None:  # None: this hook's own call below
+            return
+        with torch.no_grad():
+            for ids, row_mask, hidden in zip(kwargs["input_ids"], mask, output.last_hidden_state):
+                alone = module(input_ids=ids[row_mask.bool()][None], use_cache=False).last_hidden_state[0]
+                checks.append((alone - hidden[row_mask.bool()]).abs().max().item())
+        checks.append(-1.0 if mask[:, 0].eq(0).any() else -2.0)  # -1: some prompt was left-padded
+
+    model.model.register_forward_hook(compare_with_rows_alone, with_kwargs=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = trl_args(GRPOConfig, max_steps=2 if name == "rope" else 1, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=12, learning_rate=1e-2, beta=0.0, bf16=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=share_of_e, args=config,
+                          train_dataset=Dataset.from_dict({"prompt": args["prompts"]}), processing_class=tokenizer)
+    trainer.train()
+    result[name] = {
+        "rewards": rewards, "logged_reward": logged(trainer, "reward"), "checks": checks,
+        "changed": sum(not torch.equal(p, before[n]) for n, p in model.named_parameters()),
+        "parameters": len(before),
+    }
+finish(result)
+"""
+
+
+@pytest.mark.slow
+def test_grpo_trainer_two_steps_with_a_toy_reward(tmp_path, checkpoint):
+    """GRPOTrainer, generation through transformers (no vLLM), for two steps with a toy reward (the share of the
+    letter e): each step's logged reward is the mean of what the reward function returned for its 8 completions (2
+    prompts x 4), and the update moved every parameter. TRL's forward over left-padded prompts and their completions
+    gives each row's hidden states as the row alone would, for RoPE. It passes no position_ids, so with learned (or
+    sinusoidal) positions the left padding shifts them: that checkpoint's check pins the difference, which the
+    README names as a limitation."""
+    prompts = ["ROMEO:\n", "JULIET:\nO", "KING HENRY:\n", "NURSE:"]
+    checkpoints = {"rope": checkpoint(), "learned": checkpoint(position_embedding_type="learned")}
+    result = run_trainer(GRPO, tmp_path, checkpoints=checkpoints, prompts=prompts)
+    rope, learned = result["rope"], result["learned"]
+    assert [len(r) for r in rope["rewards"]] == [8, 8]
+    assert rope["logged_reward"] == pytest.approx([sum(r) / 8 for r in rope["rewards"]], abs=1e-6)
+    assert rope["changed"] == rope["parameters"]
+    assert rope["checks"][-1] == -1.0 and len(rope["checks"]) == 9  # 8 rows, some left-padded
+    assert max(rope["checks"][:-1]) < 1e-4, rope["checks"]
+    assert learned["checks"][-1] == -1.0 and max(learned["checks"][:-1]) > 1e-2, learned["checks"]
