@@ -20,7 +20,6 @@ import pytest
 import torch
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from decoderlab.configuration_decoderlab import PositionEmbeddingType
 from decoderlab.modeling_decoderlab import DecoderLabForCausalLM
 from tests.paths import INPUT_TXT
 from tests.training_runs import char_model_config, run_without_decoderlab, save_checkpoint_folder
@@ -57,7 +56,6 @@ def checkpoint(tmp_path, randomize):
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-@pytest.mark.parametrize("position_type", list(PositionEmbeddingType.__args__))
 def test_padding_free_batches_give_each_sequence_its_own_loss(tiny_model, all_block_variants, position_type,
                                                               attn_implementation):  # fmt: skip
     """TRL's padding-free batch (what SFTTrainer's packing makes: several sequences in one row, position_ids
