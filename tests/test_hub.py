@@ -33,6 +33,7 @@ import decoderlab
 from decoderlab.model_card import HUB_ID_PLACEHOLDER, write_model_card
 from decoderlab.push import push_to_hub
 from tests.paths import INPUT_TXT, REPO_ROOT
+from tests.training_runs import HIDE_DECODERLAB
 
 OLAH = REPO_ROOT / ".venv-olah/bin/olah-cli"
 PROMPT = "ROMEO:"
@@ -47,16 +48,6 @@ def _local_only(host, *args, **kwargs):
     if host not in ("127.0.0.1", "localhost", b"127.0.0.1", b"localhost"):
         raise OSError(f"test network guard: refusing to resolve {host!r}; tests reach 127.0.0.1 only")
     return _getaddrinfo(host, *args, **kwargs)
-"""
-
-# Then, for the pulls that must work without decoderlab: it cannot be imported, as on a machine without it
-HIDE_DECODERLAB = """
-import importlib.abc, sys
-class HideDecoderlab(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "decoderlab":
-            raise ModuleNotFoundError("decoderlab is hidden in this test process", name=name)
-sys.meta_path.insert(0, HideDecoderlab())
 """
 
 # The pull: load everything a user would from the Hub id, then report what was loaded and its outputs

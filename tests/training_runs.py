@@ -1,10 +1,12 @@
 """Helpers for the tests that run training/'s scripts: a tiny base checkpoint, the runs' metrics, a SIGKILL at a
-checkpoint, a folder's snapshot."""
+checkpoint, a folder's snapshot; and for the tests whose child processes must not see decoderlab."""
 
+import json
 import os
 import pathlib
 import signal
 import subprocess
+import sys
 import time
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -80,3 +82,29 @@ def folder_snapshot(folder: pathlib.Path) -> dict:
     return {
         str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
     }
+
+
+# Code that makes `import decoderlab` fail in the process that runs it, as on a machine without the package
+# (whatever sys.path holds, the editable install included): a checkpoint must then load through its own files
+HIDE_DECODERLAB = """
+import importlib.abc, sys
+class HideDecoderlab(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "decoderlab":
+            raise ModuleNotFoundError("decoderlab is hidden in this test process", name=name)
+sys.meta_path.insert(0, HideDecoderlab())
+"""
+
+
+def run_without_decoderlab(code: str, args: dict, cwd: pathlib.Path, timeout: float = 600) -> dict:
+    """Run ``code`` in a fresh interpreter in ``cwd`` with decoderlab hidden (``HIDE_DECODERLAB``), offline and on one
+    thread (``subprocess_env``), no standard input; ``code`` reads ``args`` as JSON from ``sys.argv[1]`` and writes its
+    results as JSON to ``result.json`` in ``cwd``, which this returns."""
+    command = [sys.executable, "-c", HIDE_DECODERLAB + code, json.dumps(args)]
+    run = subprocess.run(
+        command, cwd=cwd, env=subprocess_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    if run.returncode:
+        raise AssertionError(f"child process failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    return json.loads((cwd / "result.json").read_text())
