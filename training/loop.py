@@ -131,11 +131,11 @@ def cpu_has_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def check_bf16_cpu(cfg: TrainConfig, accelerator: Accelerator) -> None:
-    """``--mixed_precision bf16`` on a CPU without bf16 instructions: a ValueError before any data is read.
-    Accelerate accepts it on every CPU (``is_bf16_available`` is True there), and the run would be slower than
-    float32 for nothing."""
-    if cfg.mixed_precision == "bf16" and accelerator.device.type == "cpu" and not cpu_has_bf16():
+def check_bf16_cpu(cfg: TrainConfig, cpu: bool) -> None:
+    """``--mixed_precision bf16`` for a run on a CPU (``cpu``) without bf16 instructions: a ValueError before the
+    Accelerator is built. Accelerate accepts it on every CPU (``is_bf16_available`` is True there), and the run
+    would be slower than float32 for nothing."""
+    if cfg.mixed_precision == "bf16" and cpu and not cpu_has_bf16():
         raise ValueError(
             "--mixed_precision bf16 on a CPU without bfloat16 instructions (oneDNN finds neither AVX-512 nor AMX "
             "nor Arm BF16 here): bf16 would be emulated, slower than float32. Use --mixed_precision no."
@@ -154,6 +154,8 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
     do ``--fsdp`` launches that cannot shard (``check_fsdp_launch``) and bf16 on a CPU without it (``check_bf16_cpu``).
     """
     cpu = cpu or not torch.accelerator.is_available()
+    if cfg is not None:
+        check_bf16_cpu(cfg, cpu)
     if cpu and requested_sharding() == "DeepSpeed":
         # Accelerate never enables DeepSpeed with cpu=True (state.py: `... and not cpu`). Checked before building the
         # Accelerator, which would otherwise stop at "DeepSpeed is not installed" where it is not (a run started
@@ -173,7 +175,6 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
     refuse_unsharded(accelerator.state)
     if cfg is not None:
         check_fsdp_launch(cfg, accelerator)
-        check_bf16_cpu(cfg, accelerator)
     return accelerator
 
 
