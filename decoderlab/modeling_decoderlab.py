@@ -508,11 +508,13 @@ def check_tensor_parallel(config: DecoderLabConfig, tp_size: int) -> None:
         return
     fitting = [n for n in range(2, math.gcd(heads, kv_heads) + 1) if heads % n == 0 and kv_heads % n == 0]
     single = " (one key/value head cannot be split between processes)" if kv_heads < tp_size else ""
-    instead = f"a number of processes that divides both ({', '.join(map(str, fitting))}), or " if fitting else ""
+    instead = (
+        f"Use a number of processes that divides both ({', '.join(map(str, fitting))}), or load" if fitting else "Load"
+    )
     raise ValueError(
         f"Tensor parallelism over {tp_size} processes gives each process whole attention heads, but "
         f"num_attention_heads={heads} and num_key_value_heads={kv_heads} do not both divide by {tp_size}{single}. "
-        f"Use {instead}load the model without tp_plan (each process then holds all of it)."
+        f"{instead} the model without tp_plan (each process then holds all of it)."
     )
 
 
