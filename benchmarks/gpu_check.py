@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", type=pathlib.Path, default=REPO_ROOT / "out" / "gpu_check")
     parser.add_argument("--dataset_name", default=tiny_shakespeare(), help="Tiny Shakespeare: local copy or Hub id")
     parser.add_argument("--peak_tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense bf16 peak")
-    parser.add_argument("--train_budget_s", type=float, default=240, help="skip training variants past this")
+    parser.add_argument("--train_budget_s", type=float, default=180, help="no training variant starts past this")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("No CUDA device: run on a GPU machine, or pass --dry_run to check the code path on CPU.")

@@ -41,8 +41,13 @@ def is_sharded(model: nn.Module) -> bool:
 def shard_model(model: nn.Module, accelerator: Accelerator) -> nn.Module:
     """``fully_shard`` each decoder layer (the classes in ``model._no_split_modules``), then the root, over all the
     processes; in place (the module's class becomes FSDP's subclass of it), returned for clarity."""
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    if not units:
+        raise ValueError(
+            f"--fsdp shards a model by the layer classes it lists in _no_split_modules, and {type(model).__name__} "
+            "lists none (a LoRA-wrapped model, for one): train it without --fsdp."
+        )
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-    units = set(model._no_split_modules)
     for module in model.modules():
         if type(module).__name__ in units:
             fully_shard(module, mesh=mesh)
