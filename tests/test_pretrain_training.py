@@ -103,6 +103,37 @@ def test_evaluate_weights_every_predicted_token_once(tiny_model):
     assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
 
 
+class SecondOfTwoProcesses:
+    """What evaluate() reads of an Accelerator, as process 1 of 2 sees it (the reduction left to the test)."""
+
+    process_index, num_processes, device = 1, 2, torch.device("cpu")
+
+    def reduce(self, tensor, reduction):
+        return tensor
+
+
+def test_evaluate_of_a_sharded_model_runs_as_many_batches_on_every_process(tiny_model, monkeypatch):
+    """A sharded model's forward gathers weights from every process, so each process must run as many batches:
+    with 5 blocks, batch 2 and 2 processes, process 1 holds blocks 1 and 3 (one batch) but runs two, the second
+    weighing nothing, and its share of the loss is still exactly its own blocks' mean."""
+    model = tiny_model()
+    blocks = torch.randint(0, 99, (5, 12))
+    logits = model(input_ids=blocks[1::2]).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 99), blocks[1::2, 1:].reshape(-1)).item()
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    monkeypatch.setattr(loop, "is_sharded", lambda _: True)
+    result = evaluate(model, blocks, batch_size=2, accelerator=SecondOfTwoProcesses())
+    assert len(forwards) == 2  # as many as process 0, which holds blocks 0, 2 and 4
+    assert result["eval_loss"] == pytest.approx(expected, abs=1e-6)
+    forwards.clear()
+    monkeypatch.setattr(loop, "is_sharded", lambda _: False)
+    assert evaluate(model, blocks, batch_size=2, accelerator=SecondOfTwoProcesses())["eval_loss"] == pytest.approx(
+        expected, abs=1e-6
+    )
+    assert len(forwards) == 1  # unsharded: only its own
+
+
 @pytest.fixture
 def launch_env(monkeypatch):
     """No sharding variable from the test's own environment; the ones a test sets, and the one Accelerate's FSDP
