@@ -107,7 +107,7 @@ class DecoderLabLinear(nn.Linear):
                 y = few_rows_product(x2d, weight)
                 if bias is not None:
                     y = y + bias
-                return y.view(*x.shape[:-1], self.out_features)
+                return y.view(*x.shape[:-1], weight.shape[0])  # a tensor-parallel shard has fewer than out_features
         return F.linear(x, weight, bias)
 
     def few_rows(self, x: torch.Tensor) -> int:

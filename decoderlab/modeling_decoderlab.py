@@ -22,6 +22,7 @@ from .compat_decoderlab import (  # isort: skip
     slice_logits_to_keep,
 )
 
+import contextvars
 import math
 from collections.abc import Callable
 
@@ -494,6 +495,50 @@ def decoder_layer_class(config: DecoderLabConfig) -> type[DecoderLabDecoderLayer
 
 
 # ----------------------------------------------------------------------------------------------
+# Tensor parallelism: the plan (DecoderLabConfig.base_model_tp_plan) splits q/k/v and gate/up by output columns and
+# o_proj/down_proj by input rows, so each process computes whole attention heads; embeddings, positions and norms
+# are replicated, so every position type and norm placement shards alike. Heads must divide evenly.
+
+
+def check_tensor_parallel(config: DecoderLabConfig, tp_size: int) -> None:
+    """A ValueError unless ``tp_size`` processes can share the attention heads: both ``num_attention_heads`` and
+    ``num_key_value_heads`` must divide by it (one key/value head cannot be split between two processes)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if tp_size <= 1 or (heads % tp_size == 0 and kv_heads % tp_size == 0):
+        return
+    fitting = [n for n in range(2, math.gcd(heads, kv_heads) + 1) if heads % n == 0 and kv_heads % n == 0]
+    single = " (one key/value head cannot be split between processes)" if kv_heads < tp_size else ""
+    instead = (
+        f"Use a number of processes that divides both ({', '.join(map(str, fitting))}), or load" if fitting else "Load"
+    )
+    raise ValueError(
+        f"Tensor parallelism over {tp_size} processes gives each process whole attention heads, but "
+        f"num_attention_heads={heads} and num_key_value_heads={kv_heads} do not both divide by {tp_size}{single}. "
+        f"{instead} the model without tp_plan (each process then holds all of it)."
+    )
+
+
+# The tensor-parallel degree a from_pretrained call in progress asks for (0: the world size), for the check in
+# DecoderLabPreTrainedModel.__init__: transformers builds the model after starting the process group and before
+# reading any weight, on every release from 5.12 to 5.24
+_TENSOR_PARALLEL_LOAD: contextvars.ContextVar[int | None] = contextvars.ContextVar("tensor_parallel_load", default=None)
+
+
+def requested_tensor_parallel_size(kwargs: dict) -> int | None:
+    """The tensor-parallel degree from_pretrained's ``kwargs`` ask for: ``tp_size`` or a ``distributed_config``'s
+    (an object or a dict), 0 for "every process" (``tp_plan`` alone), None for none."""
+    distributed = kwargs.get("distributed_config")
+    size = kwargs.get("tp_size")
+    if size is None and isinstance(distributed, dict):
+        size = distributed.get("tp_size", 0 if distributed.get("tp_plan") is not None else None)
+    elif size is None and distributed is not None:
+        size = getattr(distributed, "tp_size", 0)  # 5.12's DistributedConfig has none: its tp_plan is "auto"
+    if size is None and kwargs.get("tp_plan") is not None:
+        size = 0
+    return size
+
+
+# ----------------------------------------------------------------------------------------------
 # Hugging Face models
 
 
@@ -515,6 +560,14 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": DecoderLabDecoderLayer, "attentions": DecoderLabAttention}
     # Under a device_map, accelerate leaves the KV cache where it is (its keyword before transformers 5.24 too)
     _skip_keys_device_placement = ["cache", "past_key_values"]
+
+    def __init__(self, config: DecoderLabConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        tp_size = _TENSOR_PARALLEL_LOAD.get()
+        if tp_size == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            tp_size = torch.distributed.get_world_size()
+        if tp_size:  # loading with tp_plan: refuse a layout the plan cannot split before any weight is read
+            check_tensor_parallel(config, tp_size)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -547,6 +600,7 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
         # A damaged weights file otherwise surfaces as safetensors' bare "Error while deserializing header".
         # Weights the checkpoint lacks are initialized, listed in the loading info and logged, as in every
         # transformers model.
+        tensor_parallel = _TENSOR_PARALLEL_LOAD.set(requested_tensor_parallel_size(kwargs))
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except SafetensorError as err:
@@ -554,6 +608,8 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
                 f"The weights of {pretrained_model_name_or_path} cannot be read: a .safetensors file there is "
                 f"truncated or corrupted ({err}). Download or save the checkpoint again."
             ) from err
+        finally:
+            _TENSOR_PARALLEL_LOAD.reset(tensor_parallel)
 
 
 class DecoderLabModel(DecoderLabPreTrainedModel):
@@ -721,6 +777,7 @@ DecoderLabForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 DecoderLabForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
 
 __all__ = [
+    "check_tensor_parallel",
     "DecoderLabPreTrainedModel",
     "DecoderLabModel",
     "DecoderLabForCausalLM",

@@ -100,6 +100,36 @@ def test_gpu_mfu_dry_run_compares_like_with_like(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
+    """``python -m benchmarks.gpu_check --dry_run``, the code a GPU run executes, on CPU at tiny sizes: every check
+    has its row in the table and the JSON, the equivalence checks pass (backends, bf16 against Llama, static cache
+    with a compiled forward, decoderlab and Llama ending at the same training loss), the recipe's subprocess ran
+    to a finite validation loss, and the exit status is 0."""
+    out = tmp_path / "check.json"
+    stdout = run_module("benchmarks.gpu_check", "--dry_run", "--output_dir", str(tmp_path), "--json_out", str(out))
+    report = json.loads(out.read_text())
+    rows = {row["check"]: row for row in report["rows"]}
+    assert report["dry_run"] is True and "cpu (dry run" in report["device"]
+    must_pass = [
+        "attention backends equal eager", "bf16 logits vs LlamaForCausalLM", "static cache + torch.compile == eager",
+        "train decoderlab / Llama, compiled", "train decoderlab / Llama, eager", "shakespeare_char_gpu recipe",
+    ]  # fmt: skip
+    for check in must_pass:
+        assert rows[check]["passed"] is True, rows[check]
+    assert rows["no host-device sync per decoding step"]["passed"] is None  # CUDA only
+    for check in (
+        "generate batch 1",
+        "generate batch 64",
+        "train decoderlab-compiled (bf16)",
+        "train llama-eager (bf16)",
+    ):
+        assert rows[check]["details"]["tokens_per_s"] > 0, check
+    assert math.isfinite(rows["shakespeare_char_gpu recipe"]["details"]["eval_loss"])
+    for check in rows:
+        assert any(line.startswith(check) for line in stdout.splitlines()), check  # the table's row
+
+
+@pytest.mark.slow
 def test_shakespeare_char_reports_both_wall_times_the_cpu_and_the_ratios(tmp_path):
     """A short run of both recipes: the JSON names the CPU and the threads, and for each recipe the whole
     command's and the training loop's wall times (the command's the larger) and the every-window loss; the

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,17 +30,20 @@ from tests.training_runs import (
     subprocess_env,
     train_losses,
 )
-from training import checkpointing, pretrain
+from training import checkpointing, loop, pretrain
 from training.args import TrainConfig, parse_config
 from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint, save_final_folder
 from training.data import BlockBatches, train_char_tokenizer
 from training.loop import (
     NonFiniteLossError,
+    check_bf16_cpu,
+    check_fsdp_launch,
     evaluate,
     make_accelerator,
     param_groups,
     train,
 )
+from training.sharding import SHARDED_NAME
 
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
 TINY_MODEL = ["--model.hidden_size", "32", "--model.num_hidden_layers", "2", "--model.num_attention_heads", "2"]
@@ -99,6 +103,37 @@ def test_evaluate_weights_every_predicted_token_once(tiny_model):
     assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
 
 
+class SecondOfTwoProcesses:
+    """What evaluate() reads of an Accelerator, as process 1 of 2 sees it (the reduction left to the test)."""
+
+    process_index, num_processes, device = 1, 2, torch.device("cpu")
+
+    def reduce(self, tensor, reduction):
+        return tensor
+
+
+def test_evaluate_of_a_sharded_model_runs_as_many_batches_on_every_process(tiny_model, monkeypatch):
+    """A sharded model's forward gathers weights from every process, so each process must run as many batches:
+    with 5 blocks, batch 2 and 2 processes, process 1 holds blocks 1 and 3 (one batch) but runs two, the second
+    weighing nothing, and its share of the loss is still exactly its own blocks' mean."""
+    model = tiny_model()
+    blocks = torch.randint(0, 99, (5, 12))
+    logits = model(input_ids=blocks[1::2]).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 99), blocks[1::2, 1:].reshape(-1)).item()
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    monkeypatch.setattr(loop, "is_sharded", lambda _: True)
+    result = evaluate(model, blocks, batch_size=2, accelerator=SecondOfTwoProcesses())
+    assert len(forwards) == 2  # as many as process 0, which holds blocks 0, 2 and 4
+    assert result["eval_loss"] == pytest.approx(expected, abs=1e-6)
+    forwards.clear()
+    monkeypatch.setattr(loop, "is_sharded", lambda _: False)
+    assert evaluate(model, blocks, batch_size=2, accelerator=SecondOfTwoProcesses())["eval_loss"] == pytest.approx(
+        expected, abs=1e-6
+    )
+    assert len(forwards) == 1  # unsharded: only its own
+
+
 @pytest.fixture
 def launch_env(monkeypatch):
     """No sharding variable from the test's own environment; the ones a test sets, and the one Accelerate's FSDP
@@ -117,7 +152,7 @@ def test_fsdp_launch_that_cannot_shard_is_refused(launch_env):
         make_accelerator(TrainConfig())
     message = str(error.value)
     assert "whole model (nothing sharded)" in message and "need a GPU-like device" in message
-    assert "training/accelerate_configs/cpu_ddp.yaml" in message and "not available yet" in message
+    assert "training/accelerate_configs/cpu_ddp.yaml" in message and "--fsdp true" in message
 
 
 def test_deepspeed_launch_that_cannot_shard_is_refused(launch_env):
@@ -136,6 +171,47 @@ def test_launch_without_sharding_is_unaffected(launch_env):
     launch_env.setenv("ACCELERATE_USE_FSDP", "false")
     launch_env.setenv("ACCELERATE_USE_DEEPSPEED", "False")
     assert make_accelerator(TrainConfig()).distributed_type == "NO"
+
+
+def test_fsdp_flag_that_cannot_shard_is_refused(launch_env):
+    """--fsdp in one process (nothing to shard over), beside an Accelerate FSDP launch (sharding twice), or with
+    mixed precision (not supported by this path): each a ValueError while the Accelerator is built, before any data,
+    naming the flag and what to do instead."""
+    with pytest.raises(ValueError, match="this run has one. Launch it with `torchrun --standalone --nproc_per_node 2"):
+        make_accelerator(TrainConfig(fsdp=True))
+    with pytest.raises(ValueError, match="--mixed_precision bf16 is not supported with it"):
+        check_fsdp_launch(TrainConfig(fsdp=True, mixed_precision="bf16"), TwoProcesses())
+    launch_env.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="asks Accelerate for FSDP already: drop --fsdp"):
+        check_fsdp_launch(TrainConfig(fsdp=True), TwoProcesses())
+
+
+class TwoProcesses:
+    """What check_fsdp_launch reads of an Accelerator, for a launch of two processes."""
+
+    num_processes = 2
+
+
+def test_bf16_on_a_cpu_without_bf16_is_refused(monkeypatch):
+    """Accelerate accepts --mixed_precision bf16 on every CPU; on one without bfloat16 instructions (here: oneDNN's
+    answer replaced by "none") the run stops before the Accelerator is built, saying why and what to use. With
+    them, in float32, or off the CPU, the check passes."""
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: False)
+    with pytest.raises(ValueError, match="--mixed_precision bf16 on a CPU without bfloat16 instructions") as error:
+        make_accelerator(TrainConfig(mixed_precision="bf16"))
+    assert "Use --mixed_precision no" in str(error.value)
+    check_bf16_cpu(TrainConfig(mixed_precision="no"), cpu=True)
+    check_bf16_cpu(TrainConfig(mixed_precision="bf16"), cpu=False)
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: True)
+    check_bf16_cpu(TrainConfig(mixed_precision="bf16"), cpu=True)
+
+
+def test_bf16_refusal_stops_the_script_before_any_data(tmp_path, text_files, monkeypatch):
+    """The same refusal through pretrain.py's main(): nothing is read or written."""
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: False)
+    with pytest.raises(ValueError, match="without bfloat16 instructions"):
+        pretrain.main(tiny_argv(text_files, tmp_path / "bf16", "--mixed_precision", "bf16"))
+    assert not (tmp_path / "bf16").exists()
 
 
 class ListBatches:
@@ -428,6 +504,66 @@ def test_two_processes_follow_the_single_process_curve(tmp_path, text_files):
     for step in expected:
         assert got[step] == pytest.approx(expected[step], abs=1e-4), step
     assert final_eval_loss(parallel) == pytest.approx(final_eval_loss(single), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_follows_one_process_resumes_exactly_and_writes_the_same_folder(tmp_path, text_files):
+    """--fsdp under torchrun, 2 gloo processes of batch 4 (torch's FSDP2, each decoder layer one unit) against one
+    process of batch 8, 20 steps with a checkpoint at step 10, then a second launch resumed from that checkpoint.
+
+    - Sharded: step_10 holds no whole weights, only torch.distributed.checkpoint shards, two per weight and per
+      AdamW moment (one from each process) for every decoder layer.
+    - Follows one process: FSDP reduce-scatters the mean gradient of the same 8 blocks per step (BlockBatches), so
+      only the order of float32 sums differs (about 1e-7 relative per step, 4e-7 measured over 20 steps);
+      tolerance 1e-4 on losses of 3-4, as for DDP. Processes without gradient exchange drift by about 1e-2.
+    - Resumes exactly: the resumed run logs the uninterrupted run's losses to 1e-6 (same shards, same RNG, same
+      data position).
+    - The same folder: the files a one-process run writes, config, generation config and tokenizer byte for byte,
+      the weights within 1e-5, and from_pretrained loads it."""
+    steps = ["--max_train_steps", "20", "--checkpointing_steps", "10", "--eval_steps", "10"]
+    single, sharded, resumed = tmp_path / "single", tmp_path / "sharded", tmp_path / "resumed"
+    pretrain.main(tiny_argv(text_files, single, *steps, "--per_device_train_batch_size", "8"))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    fsdp_run = [*launcher, str(PRETRAIN), *tiny_argv(text_files, sharded, *steps, "--fsdp", "true")]
+    result = subprocess.run(fsdp_run, env=subprocess_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resume = ["--resume_from_checkpoint", str(sharded / "step_10")]
+    resumed_run = [*launcher, str(PRETRAIN), *tiny_argv(text_files, resumed, *steps, "--fsdp", "true", *resume)]
+    result = subprocess.run(resumed_run, env=subprocess_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    checkpoint = sharded / "step_10"
+    assert not list(checkpoint.glob("*.safetensors")) and not list(checkpoint.glob("*.bin"))
+    metadata = dcp.FileSystemReader(checkpoint / SHARDED_NAME).read_metadata().state_dict_metadata
+    for layer in range(2):
+        for name in ("self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+            key = f"model.layers.{layer}.{name}"
+            for stored in (f"model.{key}", f"optimizer.state.{key}.exp_avg", f"optimizer.state.{key}.exp_avg_sq"):
+                assert len(metadata[stored].chunks) == 2, stored
+
+    expected, got = train_losses(single), train_losses(sharded)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], abs=1e-4), step
+    assert final_eval_loss(sharded) == pytest.approx(final_eval_loss(single), abs=1e-4)
+    continued = train_losses(resumed)
+    assert sorted(continued) == [15, 20]
+    for step in continued:
+        assert continued[step] == pytest.approx(got[step], abs=1e-6), step
+    assert final_eval_loss(resumed) == pytest.approx(final_eval_loss(sharded), abs=1e-6)
+
+    final_files = lambda folder: sorted(p.name for p in folder.iterdir() if p.is_file())  # noqa: E731
+    assert final_files(sharded) == final_files(single)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (sharded / name).read_bytes() == (single / name).read_bytes(), name
+    assert json.loads((sharded / "run_info.json").read_text())["num_processes"] == 2
+    assert yaml.safe_load((sharded / "training_config.yaml").read_text())["fsdp"] is True
+    single_model = AutoModelForCausalLM.from_pretrained(single)
+    sharded_model = AutoModelForCausalLM.from_pretrained(sharded)
+    assert type(sharded_model) is type(single_model)
+    single_weights = single_model.state_dict()
+    for name, weight in sharded_model.state_dict().items():
+        torch.testing.assert_close(weight, single_weights[name], rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import decoderlab
+from tests.paths import REPO_ROOT
 from training.loop import METRICS_NAME, read_metrics
 
 
@@ -59,8 +60,11 @@ def final_eval_loss(output_dir) -> float:
 
 
 def subprocess_env() -> dict:
-    """Offline, with one thread like the tests' own process (the ``one_thread`` fixture): the same arithmetic."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    """Offline, with one thread like the tests' own process (the ``one_thread`` fixture): the same arithmetic; and
+    this checkout first on the path, so a script's ``training`` and ``decoderlab`` are the ones under test even
+    where another checkout is the installed one."""
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": path}
 
 
 def kill_when_saved(command: list[str], checkpoint: pathlib.Path, timeout: float = 300) -> None:

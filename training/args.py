@@ -115,6 +115,9 @@ class TrainConfig(Config):
     num_train_epochs: int = option(1, "epochs when max_train_steps is none")
     mixed_precision: MIXED_PRECISION = option("no", "autocast dtype: no, bf16 (GPUs and recent CPUs) or fp16 (GPUs)")
     torch_compile: bool = option(False, "compile the model with torch.compile")
+    fsdp: bool = option(
+        False, "shard weights, gradients and optimizer state over the processes (torch FSDP2; torchrun on CPUs)"
+    )
     seed: int = option(1337, "seed for weights, data order and dropout")
     # --- evaluation and logging
     eval_steps: int | None = option(500, "evaluate every N steps (and at the end); none: only at the end")

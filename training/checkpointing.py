@@ -9,7 +9,8 @@ Layout of ``output_dir`` during and after a run::
         training_config.yaml, run_info.json, metrics.jsonl, README.md                what made it
 
 A checkpoint is written into ``step_N.tmp`` by every process (weights, optimizer, scheduler, each
-process's RNG state, plus ``training_state.json``: step, tokens, elapsed time), flushed to disk, and
+process's RNG state, plus ``training_state.json``: step, tokens, elapsed time; under ``--fsdp`` the weights and
+optimizer state are each process's shards, in ``sharded/``, see ``training/sharding.py``), flushed to disk, and
 only then renamed to ``step_N`` by the main process. A rename is atomic, so a process killed at any
 instant leaves either a complete ``step_N`` or a ``.tmp`` folder that ``latest`` ignores: never a
 checkpoint that looks complete but is not. Resuming needs ``output_dir`` on a filesystem all
@@ -32,6 +33,8 @@ from importlib import metadata
 import torch
 import yaml
 from accelerate import Accelerator
+
+from .sharding import is_sharded, load_sharded, save_sharded, unsharded_copy
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +89,10 @@ def save_checkpoint(
     *,
     tokenizer=None,
     total_limit: int | None = None,
+    sharded: tuple | None = None,
 ) -> pathlib.Path:
-    """Write ``output_dir/step_N`` atomically (see the module docstring) and keep the newest ``total_limit``."""
+    """Write ``output_dir/step_N`` atomically (see the module docstring) and keep the newest ``total_limit``.
+    ``sharded``: the (model, optimizer) of an FSDP2 run, whose shards every process writes."""
     output_dir = pathlib.Path(output_dir)
     final = output_dir / f"step_{state.step}"
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -95,6 +100,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))  # every process: weights (main), optimizer, scheduler, its own RNG state
+    if sharded is not None:
+        save_sharded(*sharded, tmp)
     if accelerator.is_main_process:
         (tmp / STATE_NAME).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
         if tokenizer is not None:
@@ -158,9 +165,12 @@ def read_state(path) -> TrainState:
     return TrainState(**json.loads((pathlib.Path(path) / STATE_NAME).read_text()))
 
 
-def load_checkpoint(accelerator: Accelerator, path) -> TrainState:
-    """Restore weights, optimizer, scheduler and RNG states into the prepared objects; return the run's state."""
+def load_checkpoint(accelerator: Accelerator, path, sharded: tuple | None = None) -> TrainState:
+    """Restore weights, optimizer, scheduler and RNG states into the prepared objects (and into the sharded
+    (model, optimizer) of an FSDP2 run); return the run's state."""
     accelerator.load_state(str(path))
+    if sharded is not None:
+        load_sharded(*sharded, pathlib.Path(path))
     state = read_state(path)
     logger.info(f"Resumed from {path} at step {state.step}")
     return state
@@ -239,10 +249,15 @@ def save_final_folder(
     already there (the loop appends to it); the model card is written last, by the script."""
     output_dir = pathlib.Path(output_dir)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # without DDP's and torch.compile's wrappers
-    state_dict = accelerator.get_state_dict(model)  # gathered from every process under FSDP and DeepSpeed
-    if state_dict is not None:  # torch.compile's wrapper prefixes each name; the checkpoint keeps the model's own
-        state_dict = {name.removeprefix(COMPILED_PREFIX): tensor for name, tensor in state_dict.items()}
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
+    if is_sharded(unwrapped):  # --fsdp: the full weights gathered into a plain copy on the main process
+        plain = unsharded_copy(unwrapped, accelerator.is_main_process)
+        if plain is not None:
+            plain.save_pretrained(output_dir)
+    else:
+        state_dict = accelerator.get_state_dict(model)  # gathered from every process under FSDP and DeepSpeed
+        if state_dict is not None:  # torch.compile's wrapper prefixes each name; the checkpoint keeps the model's own
+            state_dict = {name.removeprefix(COMPILED_PREFIX): tensor for name, tensor in state_dict.items()}
+        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
         (output_dir / "training_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -36,6 +36,7 @@ from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 from .args import TrainConfig
 from .checkpointing import TrainState, list_checkpoints, load_checkpoint, read_state, save_checkpoint
 from .data import count_targets, real_tokens
+from .sharding import is_sharded, shard_model, step_only_when_synced
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,49 @@ def refuse_unsharded(state: PartialState | AcceleratorState) -> None:
         f"The launch asked for {engine} sharding ({variable}=true, from `accelerate launch --config_file ...` or "
         f"its --use_{engine.lower()} flag), but Accelerate set this run up as {state.distributed_type.value}: "
         f"{instead}. {why}. For data parallelism on CPUs, launch with --config_file "
-        "training/accelerate_configs/cpu_ddp.yaml; sharded training on CPU is not available yet."
+        "training/accelerate_configs/cpu_ddp.yaml; for sharded training on CPUs, with torch's FSDP2: "
+        "`torchrun --standalone --nproc_per_node 2 training/pretrain.py ... --fsdp true`."
     )
+
+
+def check_fsdp_launch(cfg: TrainConfig, accelerator: Accelerator) -> None:
+    """``--fsdp`` (torch's FSDP2, ``training/sharding.py``) needs several processes, a launch Accelerate does not
+    shard already, and full precision; otherwise a ValueError before any data is read."""
+    if not cfg.fsdp:
+        return
+    if accelerator.num_processes < 2:
+        raise ValueError(
+            "--fsdp true shards the model over several processes, but this run has one. Launch it with "
+            "`torchrun --standalone --nproc_per_node 2 training/pretrain.py ...` (or more processes), or drop --fsdp."
+        )
+    if requested_sharding() is not None:
+        raise ValueError(
+            f"--fsdp true is torch's FSDP2 for launches Accelerate cannot shard (CPUs), but this launch asks "
+            f"Accelerate for {requested_sharding()} already: drop --fsdp and keep the launch config."
+        )
+    if cfg.mixed_precision != "no":
+        raise ValueError(
+            f"--fsdp true trains in full precision; --mixed_precision {cfg.mixed_precision} is not supported with it. "
+            "Use --mixed_precision no, or on GPUs Accelerate's FSDP2 config (training/accelerate_configs/fsdp.yaml), "
+            "which handles mixed precision."
+        )
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX-512 or AMX on x86, BF16 on Arm), as oneDNN, which runs
+    CPU autocast's bf16 matmuls, decides it; without, bf16 is emulated and slower than float32."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def check_bf16_cpu(cfg: TrainConfig, cpu: bool) -> None:
+    """``--mixed_precision bf16`` for a run on a CPU (``cpu``) without bf16 instructions: a ValueError before the
+    Accelerator is built. Accelerate accepts it on every CPU (``is_bf16_available`` is True there), and the run
+    would be slower than float32 for nothing."""
+    if cfg.mixed_precision == "bf16" and cpu and not cpu_has_bf16():
+        raise ValueError(
+            "--mixed_precision bf16 on a CPU without bfloat16 instructions (oneDNN finds neither AVX-512 nor AMX "
+            "nor Arm BF16 here): bf16 would be emulated, slower than float32. Use --mixed_precision no."
+        )
 
 
 def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accelerator:
@@ -108,9 +150,12 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
     ``torchrun`` into gloo data-parallel ranks when told it runs on CPU; otherwise each process would
     silently train its own copy of the model. ``cpu=True`` also forces the CPU where there is a GPU.
 
-    A launch that asks for FSDP or DeepSpeed where Accelerate cannot give it stops here (``refuse_unsharded``).
+    A launch that asks for FSDP or DeepSpeed where Accelerate cannot give it stops here (``refuse_unsharded``), as
+    do ``--fsdp`` launches that cannot shard (``check_fsdp_launch``) and bf16 on a CPU without it (``check_bf16_cpu``).
     """
     cpu = cpu or not torch.accelerator.is_available()
+    if cfg is not None:
+        check_bf16_cpu(cfg, cpu)
     if cpu and requested_sharding() == "DeepSpeed":
         # Accelerate never enables DeepSpeed with cpu=True (state.py: `... and not cpu`). Checked before building the
         # Accelerator, which would otherwise stop at "DeepSpeed is not installed" where it is not (a run started
@@ -128,6 +173,8 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
             project_dir=cfg.output_dir,
         )
     refuse_unsharded(accelerator.state)
+    if cfg is not None:
+        check_fsdp_launch(cfg, accelerator)
     return accelerator
 
 
@@ -210,19 +257,28 @@ def evaluate(
     ``blocks`` may also be a dict of (N, T) model inputs (``BlockBatches``' fine-tuning rows): then only
     targets whose ``labels`` are not -100 count, e.g. the completion tokens of prompt/completion pairs.
     Process ``r`` evaluates blocks ``r, r + P, r + 2P, ...``; the sums are reduced over processes, so
-    every block counts exactly once whatever the number of processes.
+    every block counts exactly once whatever the number of processes. A sharded model's layers gather their
+    weights from every process, so there every process runs as many batches as the first (which has the most);
+    one without blocks left runs its first batch again with weight 0.
     """
     was_training = model.training
     model.eval()
     rows = blocks if isinstance(blocks, dict) else {"input_ids": blocks}
+    rows = {name: column[:max_samples] for name, column in rows.items()}
     mine = slice(accelerator.process_index, None, accelerator.num_processes)
-    rows = {name: column[:max_samples][mine] for name, column in rows.items()}
+    rows, all_rows = {name: column[mine] for name, column in rows.items()}, rows
+    n_batches = math.ceil(len(rows["input_ids"]) / batch_size)
+    if is_sharded(model):
+        n_batches = math.ceil(math.ceil(len(all_rows["input_ids"]) / accelerator.num_processes) / batch_size)
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (sum of losses, predicted tokens)
-    for start in range(0, len(rows["input_ids"]), batch_size):
+    for start in range(0, n_batches * batch_size, batch_size):
+        weight = 1.0
+        if start >= len(rows["input_ids"]):  # sharded, and this process's blocks are done: a batch that counts 0
+            rows, start, weight = all_rows, 0, 0.0
         batch = {name: x[start : start + batch_size].long().to(accelerator.device) for name, x in rows.items()}
         labels = batch.setdefault("labels", batch["input_ids"])
         loss = model(**batch, use_cache=False).loss  # mean over the predicted tokens of the batch
-        n_predicted = count_targets(labels).double()
+        n_predicted = count_targets(labels).double() * weight
         # a batch with nothing to predict has loss 0/0 = nan and weight 0: it adds nothing
         totals += torch.stack([torch.where(n_predicted > 0, loss.double() * n_predicted, 0.0), n_predicted])
     totals = accelerator.reduce(totals, reduction="sum")
@@ -322,17 +378,23 @@ def train(
     max_steps = num_training_steps(cfg, batches)
     if resume_from is not None and (done := read_state(resume_from)).step >= max_steps:
         return TrainResult(model, done, train_loss=None, already_finished=True)
+    if cfg.fsdp:  # torch's FSDP2 (training/sharding.py): the optimizer is made over the sharded parameters
+        model = shard_model(model, accelerator)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, max_steps)
     if cfg.torch_compile:
         model.compile()
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.fsdp:
+        optimizer = step_only_when_synced(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
 
     if cfg.with_tracking:
         accelerator.init_trackers(cfg.project_name, config=tracker_config(cfg.to_dict()))
-    state = load_checkpoint(accelerator, resume_from) if resume_from is not None else TrainState()
+    sharded = (model, optimizer) if cfg.fsdp else None  # saved and restored by every process, apart from Accelerate
+    state = load_checkpoint(accelerator, resume_from, sharded=sharded) if resume_from is not None else TrainState()
     metrics = MetricsLog(cfg.output_dir, accelerator, cfg.with_tracking, resume_step=state.step)
     micro_batches = batches.iterate(start=state.step * cfg.gradient_accumulation_steps)
 
@@ -421,7 +483,12 @@ def train(
         if checkpoint_due:
             state.elapsed_s = elapsed()
             save_checkpoint(
-                accelerator, cfg.output_dir, state, tokenizer=tokenizer, total_limit=cfg.checkpoints_total_limit
+                accelerator,
+                cfg.output_dir,
+                state,
+                tokenizer=tokenizer,
+                total_limit=cfg.checkpoints_total_limit,
+                sharded=sharded,
             )
         segment_start = time.perf_counter()
     bar.close()
