@@ -13,13 +13,14 @@ DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
 OLAH_VENV ?= .venv-olah
-# llama.cpp, built from the llama-cpp-python source distribution: the CPU library only, tuned for this
-# machine's instruction set. No multimodal library, HTTPS, BLAS or RPC; and no "common" library (half the
+# llama.cpp, built from the llama-cpp-python source distribution: the CPU library only, for x86-64 with AVX2
+# (GGML_NATIVE=OFF: a native build on these VMs uses AMX, which the CPU reports but the VM does not allow, and
+# dies of SIGILL on q8_0 files). No multimodal library, HTTPS, BLAS or RPC; and no "common" library (half the
 # compile: llama-cpp-python forces it on but never ships it), switched off by a line run inside llama.cpp's
 # own CMake project, which shadows the forced cache entry
 LLAMACPP_VENV ?= .venv-llamacpp
 LLAMACPP_VERSION := 0.3.36
-LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_RPC=OFF \
+LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_RPC=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(abspath $(LLAMACPP_VENV))/no-common.cmake
 
 # transformers' common model tests (tests/test_hf_common.py) come from the sdist of the installed release, never

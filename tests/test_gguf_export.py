@@ -81,7 +81,7 @@ def llama_model(randomize, vocab_size: int, **overrides) -> DecoderLabForCausalL
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
-        max_position_embeddings=64,
+        max_position_embeddings=128,
         **overrides,
     )
     return randomize(DecoderLabForCausalLM(config)).eval()
@@ -179,8 +179,11 @@ def run_llamacpp(jobs: list[dict]) -> list[list[dict]]:
 
 
 def greedy(model, ids: list[int]) -> list[int]:
+    """decoderlab's greedy continuation; the attention mask is given, since generate would otherwise mask every
+    token equal to pad_token_id (the character tokenizer's id 0 is the newline)."""
+    x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, len(ids) :].tolist()
 
 
@@ -196,14 +199,16 @@ def test_llamacpp_runs_the_f32_export_like_decoderlab(tokenizers, randomize, tmp
         model = llama_model(randomize, **{"vocab_size": len(tokenizer), **overrides})
         out = convert_to_gguf(checkpoint(tmp_path / name, model, tokenizer), tmp_path / f"{name}.gguf")
         models[name] = (model, tokenizer)
-        jobs.append({"model": str(out), "prompts": TEXTS, "new_tokens": NEW_TOKENS})
+        jobs.append({"model": str(out), "prompts": TEXTS, "new_tokens": NEW_TOKENS, "n_ctx": 128})
     for (name, (model, tokenizer)), results in zip(models.items(), run_llamacpp(jobs)):
         for text, result in zip(TEXTS, results):
             ids = tokenizer(text).input_ids
             assert result["ids"] == ids, (name, text)
             assert result["text"] == text, name
             expected = logits(model, ids)[-1]
-            torch.testing.assert_close(torch.tensor(result["last_logits"]), expected.double(), atol=1e-3, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(result["last_logits"], dtype=torch.float64), expected.double(), atol=1e-3, rtol=0
+            )
             assert result["greedy"] == greedy(model, ids), (name, text)
 
 
@@ -223,11 +228,13 @@ def test_llamacpp_runs_every_outtype_within_its_tolerance(tokenizers, randomize,
         for outtype in LLAMACPP_RELATIVE_TOLERANCE:
             out = convert_to_gguf(src, tmp_path / f"{kind}-{outtype}.gguf", outtype)
             models.append((kind, outtype, model, tokenizer))
-            jobs.append({"model": str(out), "prompts": TEXTS[:2], "new_tokens": 0})
+            jobs.append({"model": str(out), "prompts": TEXTS[:2], "new_tokens": 0, "n_ctx": 128})
     for (kind, outtype, model, tokenizer), results in zip(models, run_llamacpp(jobs)):
         for text, result in zip(TEXTS[:2], results):
             expected = logits(model, tokenizer(text).input_ids)[-1].double()
-            difference = (torch.tensor(result["last_logits"]) - expected).abs().max() / expected.abs().max()
+            difference = (
+                torch.tensor(result["last_logits"], dtype=torch.float64) - expected
+            ).abs().max() / expected.abs().max()
             assert difference < LLAMACPP_RELATIVE_TOLERANCE[outtype], (kind, outtype, difference.item())
 
 
