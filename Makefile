@@ -13,12 +13,21 @@ DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
 OLAH_VENV ?= .venv-olah
+# llama.cpp, built from the llama-cpp-python source distribution: the CPU library only, for x86-64 with AVX2
+# (GGML_NATIVE=OFF: a native build on these VMs uses AMX, which the CPU reports but the VM does not allow, and
+# dies of SIGILL on q8_0 files). No multimodal library, HTTPS, BLAS or RPC; and no "common" library (half the
+# compile: llama-cpp-python forces it on but never ships it), switched off by a line run inside llama.cpp's
+# own CMake project, which shadows the forced cache entry
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_RPC=OFF \
+	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(abspath $(LLAMACPP_VENV))/no-common.cmake
 
 # transformers' common model tests (tests/test_hf_common.py) come from the sdist of the installed release, never
 # vendored: its tests/ folder and PKG-INFO, unpacked into .hf-tests/ (gitignored); .hf-tests/current points at it
 HF_TESTS := .hf-tests/current/tests
 
-.PHONY: venv olah hf-tests demo test test-all test-versions lint clean
+.PHONY: venv olah llamacpp hf-tests demo test test-all test-versions lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +46,16 @@ $(OLAH_VENV)/.installed:
 	touch $@
 
 olah: $(OLAH_VENV)/.installed
+
+# llama.cpp itself reads the GGUF exports in tests/test_gguf_export.py, in its own venv (a subprocess)
+$(LLAMACPP_VENV)/.installed:
+	python3 -m venv $(LLAMACPP_VENV)
+	echo 'set(LLAMA_BUILD_COMMON OFF)' > $(LLAMACPP_VENV)/no-common.cmake
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(LLAMACPP_VENV)/bin/pip install -q --no-binary llama-cpp-python llama-cpp-python==$(LLAMACPP_VERSION)
+	touch $@
+
+llamacpp: $(LLAMACPP_VENV)/.installed
 
 hf-tests: venv
 	@version=$$($(PY) -c "import transformers; print(transformers.__version__)"); \
@@ -57,7 +76,7 @@ demo: venv
 test: venv hf-tests
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: venv olah hf-tests
+test-all: venv olah llamacpp hf-tests
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The checkpoint round trip across transformers releases, each in its own environment under .venv-tf/
@@ -68,4 +87,4 @@ lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLAH_VENV) .hf-tests .venv-tf out
+	rm -rf $(VENV) $(OLAH_VENV) $(LLAMACPP_VENV) .hf-tests .venv-tf out

@@ -2,8 +2,10 @@
 
     python -m decoderlab.convert --from {llama,gpt2,neox} SRC DST   # SRC: a local folder or a Hub repo id
     python -m decoderlab.convert --to llama SRC DST                  # decoderlab -> plain LlamaForCausalLM
+    python -m decoderlab.convert --to gguf SRC OUT.gguf [--outtype f32|f16|bf16|q8_0]   # -> llama.cpp, Ollama
 
-or from Python, ``convert_from("gpt2", src, dst)`` and ``convert_to_llama(src, dst)``.
+or from Python, ``convert_from("gpt2", src, dst)``, ``convert_to_llama(src, dst)`` and
+``convert_to_gguf(src, out, outtype)`` (in ``gguf_export``, which writes the GGUF file).
 
 How: the source config becomes the target config (``--from`` builds it from the matching preset,
 ``DecoderLabConfig.from_preset``). Every tensor name is mapped before anything is written, and the
@@ -156,6 +158,21 @@ def decoderlab_config_from_neox(neox: GPTNeoXConfig) -> DecoderLabConfig:
     )
 
 
+def refuse_fields(
+    in_the_way: dict[str, tuple[bool, str]], config: PreTrainedConfig, values: dict, what: str, instead: str
+) -> None:
+    """A ValueError when any field of ``in_the_way`` (name -> (blocks, why)) blocks: ``what``, then one line
+    ``"  field=value: why"`` per blocking field (the value from ``values`` where given, as for a key inside a
+    dict field, else from ``config``), then ``instead``."""
+    problems = [
+        f"  {name}={values.get(name, getattr(config, name, None))!r}: {why}"
+        for name, (blocks, why) in in_the_way.items()
+        if blocks
+    ]
+    if problems:
+        raise ValueError(f"{what}; these fields stand in the way:\n" + "\n".join(problems) + f"\n{instead}")
+
+
 def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
     """The LlamaConfig computing exactly what ``config`` computes, or one ValueError listing every field
     Llama cannot express. Models built with ``DecoderLabConfig.from_preset("llama", ...)`` always export."""
@@ -178,19 +195,14 @@ def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
             f"Llama scales attention by 1/sqrt(head_dim) = {config.head_dim**-0.5:.6g} (None)",
         ),
     }
-    values = {"rope_parameters['partial_rotary_factor']": rotary_fraction}
-    problems = [
-        f"  {name}={values.get(name, getattr(config, name, None))!r}: {why}"
-        for name, (blocks, why) in in_the_way.items()
-        if blocks
-    ]
-    if problems:
-        raise ValueError(
-            "A Llama checkpoint cannot express this decoderlab configuration; these fields stand in the way:\n"
-            + "\n".join(problems)
-            + "\nOnly models built like DecoderLabConfig.from_preset('llama', ...) export to Llama. Share this one as "
-            "a decoderlab checkpoint instead (it loads anywhere with trust_remote_code=True)."
-        )
+    refuse_fields(
+        in_the_way,
+        config,
+        {"rope_parameters['partial_rotary_factor']": rotary_fraction},
+        "A Llama checkpoint cannot express this decoderlab configuration",
+        "Only models built like DecoderLabConfig.from_preset('llama', ...) export to Llama. Share this one as "
+        "a decoderlab checkpoint instead (it loads anywhere with trust_remote_code=True).",
+    )
     if config.hidden_dropout:
         logger.warning(
             f"hidden_dropout={config.hidden_dropout} has no Llama equivalent and is left out of the export; "
@@ -543,28 +555,39 @@ def convert_to_llama(
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .gguf_export import OUTTYPES, convert_to_gguf  # here: gguf_export builds on this module
+
     parser = argparse.ArgumentParser(
         prog="python -m decoderlab.convert",
-        description="Convert Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, or decoderlab to Llama.",
+        description="Convert Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, or decoderlab to Llama or GGUF.",
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="family", choices=list(FROM), help="convert this family to decoderlab")
-    direction.add_argument("--to", dest="target", choices=["llama"], help="convert decoderlab to this family")
+    direction.add_argument(
+        "--to", dest="target", choices=["llama", "gguf"], help="convert decoderlab to this family or file format"
+    )
     parser.add_argument("src", help="checkpoint folder, or a Hub repo id (downloaded)")
-    parser.add_argument("dst", help="new folder for the converted checkpoint")
+    parser.add_argument("dst", help="new folder for the converted checkpoint (--to gguf: the new .gguf file)")
     parser.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
         help="largest output file, e.g. 2GB, 500MB (default %(default)s)",
     )
+    parser.add_argument(
+        "--outtype", choices=OUTTYPES, help="--to gguf: how matrices are stored (default f32; vectors stay f32)"
+    )
     args = parser.parse_args(argv)
+    if args.outtype and args.target != "gguf":
+        parser.error(f"--outtype {args.outtype} applies to --to gguf only.")
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the summary line of convert()
     try:
         if args.family:
             convert_from(args.family, args.src, args.dst, args.max_shard_size)
+        elif args.target == "gguf":
+            convert_to_gguf(args.src, args.dst, args.outtype or "f32")
         else:
             convert_to_llama(args.src, args.dst, args.max_shard_size)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:
         parser.exit(1, f"error: {err}\n")
 
 
