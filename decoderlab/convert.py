@@ -563,11 +563,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="family", choices=list(FROM), help="convert this family to decoderlab")
-    direction.add_argument(
-        "--to", dest="target", choices=["llama", "gguf"], help="convert decoderlab to this family or file format"
-    )
+    targets = ["llama", "gguf", "onnx", "executorch"]
+    direction.add_argument("--to", dest="target", choices=targets, help="convert decoderlab to this family or format")
     parser.add_argument("src", help="checkpoint folder, or a Hub repo id (downloaded)")
-    parser.add_argument("dst", help="new folder for the converted checkpoint (--to gguf: the new .gguf file)")
+    parser.add_argument("dst", help="new folder for the converted checkpoint (gguf, onnx, executorch: a new file)")
     parser.add_argument(
         "--max-shard-size",
         default=DEFAULT_MAX_SHARD_SIZE,
@@ -583,10 +582,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.family:
             convert_from(args.family, args.src, args.dst, args.max_shard_size)
+        elif args.target == "llama":
+            convert_to_llama(args.src, args.dst, args.max_shard_size)
         elif args.target == "gguf":
             convert_to_gguf(args.src, args.dst, args.outtype or "f32")
         else:
-            convert_to_llama(args.src, args.dst, args.max_shard_size)
+            from .export import EXPORTERS  # imports this module: here, not at the top
+
+            EXPORTERS[args.target](args.src, args.dst)
     except (ValueError, ImportError) as err:
         parser.exit(1, f"error: {err}\n")
 

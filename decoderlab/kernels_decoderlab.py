@@ -95,10 +95,13 @@ class DecoderLabLinear(nn.Linear):
         # Read once: a module attribute costs about as much as a small layer's product, and a decoding step makes
         # hundreds of these calls. A shape already timed slower here goes straight to F.linear.
         weight, bias = self.weight, self.bias
+        if is_torchdynamo_compiling():
+            # Nothing can be timed inside a traced graph, and reading the rows first would put a guard on the
+            # input's length into it (torch.export then refuses a dynamic length beyond MAX_FEW_ROWS)
+            return F.linear(x, weight, bias)
         rows = self.few_rows(x)
         if (
             rows
-            and not is_torchdynamo_compiling()  # nothing can be timed inside a traced graph
             and _FEW_ROWS_FASTER.get(timing_key(self.out_features, self.in_features, rows)) is not False
             and few_rows_path_applies(x, weight, bias)
         ):

@@ -13,6 +13,8 @@ Fixtures here are generic on purpose (several test files use them); do not renam
 - ``block_variant``: parametrizes over every norm placement plus the parallel residual, as config overrides.
 - ``attention_heads``: parametrizes over multi-head, grouped-query and multi-query attention.
 - ``all_block_variants``: the same block layouts as one dict, for a test that covers them all in one go.
+- ``position_and_block``: each position type paired with one block layout (four cases, every value of both), for
+  tests too slow for the whole product (graph exports).
 """
 
 import os
@@ -43,6 +45,10 @@ TINY_SIZES = dict(
 # config overrides for each block layout: the three norm placements, and GPT-NeoX's parallel residual
 BLOCK_VARIANTS = {placement: {"norm_placement": placement} for placement in typing.get_args(NormPlacement)}
 BLOCK_VARIANTS["parallel"] = {"norm_placement": "pre", "use_parallel_residual": True}
+
+# each position type with one block layout: positions act below the blocks (added) or inside attention (rotated),
+# norms around the sublayers, so the four pairs reach every value of both without the product's sixteen
+POSITION_BLOCK_PAIRS = dict(zip(typing.get_args(PositionEmbeddingType), BLOCK_VARIANTS))
 
 # num_key_value_heads with 4 query heads
 ATTENTION_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
@@ -119,6 +125,13 @@ def position_type(request) -> str:
 def block_variant(request) -> dict:
     """Config overrides selecting one block layout (pre, post, sandwich, parallel)."""
     return BLOCK_VARIANTS[request.param]
+
+
+@pytest.fixture(params=[f"{position}-{block}" for position, block in POSITION_BLOCK_PAIRS.items()])
+def position_and_block(request) -> dict:
+    """Config overrides: rope with pre-norm, sinusoidal with post-norm, learned with sandwich, none with parallel."""
+    position, block = request.param.split("-")
+    return {"position_embedding_type": position, **BLOCK_VARIANTS[block]}
 
 
 @pytest.fixture

@@ -152,6 +152,19 @@ def test_no_few_rows_path_inside_torch_compile():
     assert len(calls) == 2 and all("linear" in c and "mm" not in c for c in calls)
 
 
+def test_traced_linear_layers_put_no_guard_on_the_number_of_rows():
+    """torch.export of a layer with a dynamic number of rows accepts any number, below and above MAX_FEW_ROWS: the
+    few-rows choice is not even read while tracing (reading it guarded the rows to <= 32, and torch.export then
+    refused a model whose sequence length could exceed it)."""
+    layer = DecoderLabLinear(64, 96).eval()
+    rows = torch.export.Dim("rows", min=1, max=4 * DecoderLabLinear.MAX_FEW_ROWS)
+    with torch.no_grad():
+        program = torch.export.export(layer, (torch.randn(8, 64),), dynamic_shapes=({0: rows},)).module()
+        for n in (1, DecoderLabLinear.MAX_FEW_ROWS + 1, 4 * DecoderLabLinear.MAX_FEW_ROWS):
+            x = torch.randn(n, 64)
+            assert torch.equal(program(x), F.linear(x, layer.weight, layer.bias))
+
+
 def test_peft_lora_wraps_the_few_rows_path():
     """With the few-rows product chosen, LoRA's output for one row and for a few rows (decoding steps) is the base
     layer's plus the adapter's, as for 40 rows (F.linear): the adapter is not skipped."""
