@@ -13,6 +13,7 @@ Fixtures here are generic on purpose (several test files use them); do not renam
 - ``block_variant``: parametrizes over every norm placement plus the parallel residual, as config overrides.
 - ``attention_heads``: parametrizes over multi-head, grouped-query and multi-query attention.
 - ``all_block_variants``: the same block layouts as one dict, for a test that covers them all in one go.
+- ``free_port()`` (a function, imported by the tests that start servers): a free TCP port on 127.0.0.1.
 """
 
 import os
@@ -22,6 +23,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import socket
 import typing
 
 import pytest
@@ -46,6 +48,13 @@ BLOCK_VARIANTS["parallel"] = {"norm_placement": "pre", "use_parallel_residual": 
 
 # num_key_value_heads with 4 query heads
 ATTENTION_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on, for a server a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -88,7 +97,7 @@ def _randomize(module: nn.Module) -> nn.Module:
     return module
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a pure function: module-scoped fixtures build checkpoints with it
 def randomize():
     return _randomize
 
