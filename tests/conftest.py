@@ -15,6 +15,7 @@ Fixtures here are generic on purpose (several test files use them); do not renam
 - ``all_block_variants``: the same block layouts as one dict, for a test that covers them all in one go.
 - ``position_and_block``: each position type paired with one block layout (four cases, every value of both), for
   tests too slow for the whole product (graph exports).
+- ``free_port()`` (a function, imported by the tests that start servers): a free TCP port on 127.0.0.1.
 """
 
 import os
@@ -24,6 +25,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import socket
 import typing
 
 import pytest
@@ -52,6 +54,13 @@ POSITION_BLOCK_PAIRS = dict(zip(typing.get_args(PositionEmbeddingType), BLOCK_VA
 
 # num_key_value_heads with 4 query heads
 ATTENTION_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on, for a server a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -94,7 +103,7 @@ def _randomize(module: nn.Module) -> nn.Module:
     return module
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a pure function: module-scoped fixtures build checkpoints with it
 def randomize():
     return _randomize
 

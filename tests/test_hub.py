@@ -21,6 +21,7 @@ import urllib.request
 
 import pytest
 import torch
+from conftest import free_port
 from hub_server import HubServer
 from huggingface_hub import HfApi, ModelCard, get_hf_file_metadata, hf_hub_url
 from huggingface_hub import constants as hub_constants
@@ -85,12 +86,6 @@ report = {
 }
 (open(args["out"] + "/report.json", "w")).write(json.dumps(report))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_env(endpoint: str, home: pathlib.Path, token: str | None = None) -> dict:
