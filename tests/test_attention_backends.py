@@ -60,6 +60,26 @@ def test_padding_is_masked_out(tiny_model, position_type):
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_a_left_padded_row_scores_as_it_scores_alone_without_position_ids(tiny_model, position_type):
+    """A left-padded batch given only an attention mask (how TRL's GRPO scores its completions) gives each row's real
+    tokens the logits of that row alone: absolute positions count from the first real token, as generate() numbers
+    them, and relative ones never depended on the offset. With no mask the positions stay 0, 1, 2, ..."""
+    model = tiny_model(position_embedding_type=position_type)
+    x = torch.randint(0, 99, (3, 14))
+    mask = left_padding_mask(3, 14)
+    with torch.no_grad():
+        batch = model(x, attention_mask=mask).logits
+        for row in range(3):
+            real = mask[row].bool()
+            alone = model(x[row, real][None]).logits[0]
+            torch.testing.assert_close(batch[row, real], alone, rtol=0, atol=1e-5)
+        unpadded = model(x, attention_mask=torch.ones_like(mask)).logits
+        torch.testing.assert_close(unpadded, model(x).logits, rtol=0, atol=0)
+        given = model(x, attention_mask=mask, position_ids=torch.arange(14)[None].expand(3, 14)).logits
+    if position_type in ("learned", "sinusoidal"):  # positions given explicitly are used as they are
+        assert (given[mask.bool()] - batch[mask.bool()]).abs().max() > 1e-3
+
+
 def test_output_attentions_are_causal_distributions(tiny_model, attention_heads):
     """output_attentions (eager) returns one (B, heads, T, T) tensor per layer; each row sums to 1 and
     puts no weight on future positions."""
