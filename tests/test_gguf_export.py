@@ -333,9 +333,10 @@ def test_a_checkpoint_that_is_not_decoderlab_is_refused(randomize, tmp_path):
     ],
 )
 def test_configurations_gguf_cannot_carry_are_refused_field_by_field(overrides, match, tokenizers, randomize, tmp_path):
-    """What --to llama refuses is refused with its field-by-field error; what Llama has but llama.cpp's graph or
-    transformers' GGUF loader would not read back (another activation, biases, scaled RoPE) is refused too,
-    each field named with its value, rather than written into a file that computes something else."""
+    """What --to llama (without QK-norm) or --to qwen3 (with it) refuses is refused with its field-by-field error;
+    what Llama or Qwen3 has but llama.cpp's graph or transformers' GGUF loader would not read back (another
+    activation, biases, scaled RoPE) is refused too, each field named with its value and the family's
+    --to flag offered instead, rather than written into a file that computes something else."""
     tokenizer = tokenizers["char"]
     model = llama_model(randomize, len(tokenizer), **overrides)
     (tmp_path / "out").mkdir()
