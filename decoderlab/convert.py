@@ -255,7 +255,7 @@ def qwen3_config_from_decoderlab(config: DecoderLabConfig) -> Qwen3Config:
     """The Qwen3Config computing exactly what ``config`` computes, or one ValueError listing every field Qwen3
     cannot express. Qwen3 is Llama with QK-norm (an RMSNorm over each head's queries and keys, before RoPE,
     with the model's norm_eps), always on, and no MLP biases: ``from_preset("llama", qk_norm=True, ...)``
-    models, the default recipe's among them, always export."""
+    models without MLP biases, the default recipe's among them, always export."""
     return exported_config(
         config,
         Qwen3Config,
