@@ -1,10 +1,10 @@
 """What each GGUF --outtype costs: file size, and agreement with decoderlab in both readers of the file.
 
     make llamacpp && python -m benchmarks.gguf_export                 # trains a small model first (about a minute)
-    python -m benchmarks.gguf_export --src out/my_llama_shaped_model  # or measure a checkpoint you have
+    python -m benchmarks.gguf_export --src out/shakespeare_char       # or measure a checkpoint you have
 
-Without --src, the default recipe (``shakespeare_char``, 4 x 128 x 4, characters) is trained for 300 steps with
-QK-norm off, so that it is Llama-shaped and exports. Each outtype's file is then read by
+Without --src, the default recipe (``shakespeare_char``, 4 x 128 x 4, characters, QK-norm: llama.cpp's ``qwen3``
+architecture) is trained for 300 steps. Each outtype's file is then read by
 - transformers' GGUF loader: max |logit difference| from decoderlab over every position of the prompts;
 - llama.cpp (tests/llamacpp_runner.py in .venv-llamacpp): max |difference| of the last-token logits, and
   how many of 32 greedy tokens per prompt equal decoderlab's greedy tokens.
@@ -37,7 +37,7 @@ NEW_TOKENS = 32
 def train(folder: pathlib.Path) -> pathlib.Path:
     command = [sys.executable, str(REPO_ROOT / "training" / "pretrain.py"), "--config", str(RECIPE)]
     command += ["--dataset_name", str(DATA) if DATA.is_dir() else "karpathy/tiny_shakespeare"]
-    command += ["--output_dir", str(folder), "--max_train_steps", "300", "--model.qk_norm", "false"]
+    command += ["--output_dir", str(folder), "--max_train_steps", "300"]
     command += ["--eval_steps", "none", "--checkpointing_steps", "none", "--max_eval_samples", "8"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return folder
@@ -45,7 +45,9 @@ def train(folder: pathlib.Path) -> pathlib.Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--src", type=pathlib.Path, help="a Llama-shaped decoderlab checkpoint (default: train one)")
+    parser.add_argument(
+        "--src", type=pathlib.Path, help="a decoderlab checkpoint that exports to GGUF (default: train one)"
+    )
     parser.add_argument(
         "--results", type=pathlib.Path, default=REPO_ROOT / "benchmarks" / "results" / "gguf_export.json"
     )
@@ -72,8 +74,10 @@ def main() -> None:
         done = subprocess.run([str(LLAMACPP_PYTHON), str(RUNNER)], input=json.dumps(jobs), capture_output=True,
                               text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
         rows = {}
+        # transformers' qwen3 GGUF mapping reads no head_dim (Qwen3Config's default 128 would stand)
+        head_dim = {"head_dim": model.config.head_dim} if model.config.qk_norm else {}
         for (outtype, path), llamacpp in zip(files.items(), json.loads(done.stdout)):
-            loaded = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name).eval()
+            loaded = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=path.name, **head_dim).eval()
             with torch.no_grad():
                 hf_diff = max(
                     (loaded(torch.tensor([ids])).logits[0] - r).abs().max().item() for ids, r in zip(prompts, reference)
@@ -93,7 +97,7 @@ def main() -> None:
             }
     results = {
         "machine": machine_line(torch.get_num_threads()),
-        "model": str(args.src or "shakespeare_char recipe, qk_norm false, 300 steps"),
+        "model": str(args.src or "shakespeare_char recipe (QK-norm, llama.cpp's qwen3 architecture), 300 steps"),
         "parameters": sum(p.numel() for p in model.parameters()),
         "max_abs_logit": max(r.abs().max().item() for r in reference),
         "outtypes": rows,

@@ -1,11 +1,12 @@
-"""Convert checkpoints between decoderlab and Llama, GPT-2 and GPT-NeoX, one tensor at a time.
+"""Convert checkpoints between decoderlab and Llama, GPT-2 and GPT-NeoX (and to Qwen3), one tensor at a time.
 
     python -m decoderlab.convert --from {llama,gpt2,neox} SRC DST   # SRC: a local folder or a Hub repo id
     python -m decoderlab.convert --to llama SRC DST                  # decoderlab -> plain LlamaForCausalLM
+    python -m decoderlab.convert --to qwen3 SRC DST                  # with QK-norm -> plain Qwen3ForCausalLM
     python -m decoderlab.convert --to gguf SRC OUT.gguf [--outtype f32|f16|bf16|q8_0]   # -> llama.cpp, Ollama
 
-or from Python, ``convert_from("gpt2", src, dst)``, ``convert_to_llama(src, dst)`` and
-``convert_to_gguf(src, out, outtype)`` (in ``gguf_export``, which writes the GGUF file).
+or from Python, ``convert_from("gpt2", src, dst)``, ``convert_to_llama(src, dst)``, ``convert_to_qwen3(src, dst)``
+and ``convert_to_gguf(src, out, outtype)`` (in ``gguf_export``, which writes the GGUF file).
 
 How: the source config becomes the target config (``--from`` builds it from the matching preset,
 ``DecoderLabConfig.from_preset``). Every tensor name is mapped before anything is written, and the
@@ -20,7 +21,7 @@ DST's config.json, generation_config.json and, for decoderlab, the two model cod
 exactly what transformers itself writes (for decoderlab: ``auto_map`` for every Auto class, so
 ``trust_remote_code`` loads work without the package). Tokenizer files are copied over.
 
-RoPE layout: HF Llama, HF GPT-NeoX and decoderlab all rotate the two halves of each head (HF's
+RoPE layout: HF Llama, HF Qwen3, HF GPT-NeoX and decoderlab all rotate the two halves of each head (HF's
 ``rotate_half``), so query and key weights are copied unpermuted. Checkpoints in Meta's original
 interleaved layout must go through transformers' own Llama converter first.
 """
@@ -51,6 +52,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedConfig,
     PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.utils.hub import convert_file_size_to_int
 
@@ -173,42 +176,100 @@ def refuse_fields(
         raise ValueError(f"{what}; these fields stand in the way:\n" + "\n".join(problems) + f"\n{instead}")
 
 
-def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
-    """The LlamaConfig computing exactly what ``config`` computes, or one ValueError listing every field
-    Llama cannot express. Models built with ``DecoderLabConfig.from_preset("llama", ...)`` always export."""
-    rotary_fraction = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    in_the_way = {
-        "norm_placement": (config.norm_placement != "pre", "Llama normalises before each sublayer ('pre')"),
-        "use_parallel_residual": (config.use_parallel_residual, "Llama's sublayers run one after the other"),
-        "norm_type": (config.norm_type != "rmsnorm", "Llama uses RMSNorm ('rmsnorm')"),
+def _rotary_fraction(config: DecoderLabConfig) -> float:
+    return (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+
+
+def llama_shaped_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[bool, str]]:
+    """For ``refuse_fields``: what makes ``config`` other than a Llama-shaped model (pre-norm RMSNorm blocks,
+    full RoPE, gated MLP, unscaled embeddings, 1/sqrt(head_dim) attention), which neither Llama nor Qwen3
+    (``family``, named in each reason) can express. QK-norm is left to each family."""
+    rotary_fraction = _rotary_fraction(config)
+    return {
+        "norm_placement": (config.norm_placement != "pre", f"{family} normalises before each sublayer ('pre')"),
+        "use_parallel_residual": (config.use_parallel_residual, f"{family}'s sublayers run one after the other"),
+        "norm_type": (config.norm_type != "rmsnorm", f"{family} uses RMSNorm ('rmsnorm')"),
         "norm_bias": (config.norm_type == "layernorm" and config.norm_bias, "RMSNorm has no bias"),
-        "qk_norm": (config.qk_norm, "Llama does not normalise queries and keys"),
-        "position_embedding_type": (config.position_embedding_type != "rope", "Llama uses RoPE ('rope')"),
+        "position_embedding_type": (config.position_embedding_type != "rope", f"{family} uses RoPE ('rope')"),
         "rope_parameters['partial_rotary_factor']": (
             config.position_embedding_type == "rope" and rotary_fraction != 1.0,
-            "Llama rotates every dimension of each head (1.0)",
+            f"{family} rotates every dimension of each head (1.0)",
         ),
-        "mlp_type": (config.mlp_type != "gated", "Llama's MLP is gated ('gated')"),
-        "embedding_multiplier": (config.embedding_multiplier != 1.0, "Llama uses its token embeddings unscaled (1.0)"),
+        "mlp_type": (config.mlp_type != "gated", f"{family}'s MLP is gated ('gated')"),
+        "embedding_multiplier": (
+            config.embedding_multiplier != 1.0,
+            f"{family} uses its token embeddings unscaled (1.0)",
+        ),
         "attention_scale": (
             config.attention_scale is not None and not math.isclose(config.attention_scale, config.head_dim**-0.5),
-            f"Llama scales attention by 1/sqrt(head_dim) = {config.head_dim**-0.5:.6g} (None)",
+            f"{family} scales attention by 1/sqrt(head_dim) = {config.head_dim**-0.5:.6g} (None)",
         ),
     }
+
+
+def exported_config(
+    config: DecoderLabConfig,
+    target: type[PreTrainedConfig],
+    fields: dict[str, str],
+    family_in_the_way: dict[str, tuple[bool, str]],
+    instead: str,
+) -> PreTrainedConfig:
+    """``target`` built from ``fields`` (ours -> theirs) of ``config``, or one ValueError listing every field
+    in the way: what ``llama_shaped_in_the_way`` lists, then what ``family_in_the_way`` adds for ``target``."""
+    family = target.model_type.capitalize()  # Llama, Qwen3
     refuse_fields(
-        in_the_way,
+        {**llama_shaped_in_the_way(config, family), **family_in_the_way},
         config,
-        {"rope_parameters['partial_rotary_factor']": rotary_fraction},
-        "A Llama checkpoint cannot express this decoderlab configuration",
-        "Only models built like DecoderLabConfig.from_preset('llama', ...) export to Llama. Share this one as "
-        "a decoderlab checkpoint instead (it loads anywhere with trust_remote_code=True).",
+        {"rope_parameters['partial_rotary_factor']": _rotary_fraction(config)},
+        f"A {family} checkpoint cannot express this decoderlab configuration",
+        instead,
     )
     if config.hidden_dropout:
         logger.warning(
-            f"hidden_dropout={config.hidden_dropout} has no Llama equivalent and is left out of the export; "
+            f"hidden_dropout={config.hidden_dropout} has no {family} equivalent and is left out of the export; "
             "inference is unaffected, fine-tuning the export runs without that dropout."
         )
-    return LlamaConfig(**{theirs: copy.deepcopy(getattr(config, ours)) for ours, theirs in LLAMA_FIELDS.items()})
+    return target(**{theirs: copy.deepcopy(getattr(config, ours)) for ours, theirs in fields.items()})
+
+
+SHARE_INSTEAD = "Share this one as a decoderlab checkpoint instead (it loads anywhere with trust_remote_code=True)."
+
+
+def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
+    """The LlamaConfig computing exactly what ``config`` computes, or one ValueError listing every field
+    Llama cannot express. Models built with ``DecoderLabConfig.from_preset("llama", ...)`` always export."""
+    return exported_config(
+        config,
+        LlamaConfig,
+        LLAMA_FIELDS,
+        {"qk_norm": (config.qk_norm, "Llama does not normalise queries and keys (--to qwen3 does)")},
+        f"Only models built like DecoderLabConfig.from_preset('llama', ...) export to Llama. {SHARE_INSTEAD}",
+    )
+
+
+# Qwen3Config has Llama's fields but mlp_bias (its MLP has none); its sliding window is off by default
+QWEN3_FIELDS = {ours: theirs for ours, theirs in LLAMA_FIELDS.items() if ours != "mlp_bias"}
+
+
+def qwen3_config_from_decoderlab(config: DecoderLabConfig) -> Qwen3Config:
+    """The Qwen3Config computing exactly what ``config`` computes, or one ValueError listing every field Qwen3
+    cannot express. Qwen3 is Llama with QK-norm (an RMSNorm over each head's queries and keys, before RoPE,
+    with the model's norm_eps), always on, and no MLP biases: ``from_preset("llama", qk_norm=True, ...)``
+    models without MLP biases, the default recipe's among them, always export."""
+    return exported_config(
+        config,
+        Qwen3Config,
+        QWEN3_FIELDS,
+        {
+            "qk_norm": (
+                not config.qk_norm,
+                "Qwen3 always normalises each head's queries and keys (True); export this model with --to llama",
+            ),
+            "mlp_bias": (config.mlp_bias, "Qwen3's MLP has no biases (False)"),
+        },
+        "Only models built like DecoderLabConfig.from_preset('llama', qk_norm=True, ...) export to Qwen3. "
+        + SHARE_INSTEAD,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,6 +384,13 @@ TO_LLAMA = Conversion(
     source_config=DecoderLabConfig,
     target_model=LlamaForCausalLM,
     make_config=llama_config_from_decoderlab,
+)
+# the same names, q_norm and k_norm included: decoderlab's QK-norm weights are Qwen3's
+TO_QWEN3 = Conversion(
+    source_type=DecoderLabConfig.model_type,
+    source_config=DecoderLabConfig,
+    target_model=Qwen3ForCausalLM,
+    make_config=qwen3_config_from_decoderlab,
 )
 
 
@@ -554,16 +622,26 @@ def convert_to_llama(
     return convert(TO_LLAMA, src, dst, "--to llama", max_shard_size)
 
 
+def convert_to_qwen3(
+    src: str | os.PathLike, dst: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> Path:
+    """A decoderlab checkpoint with QK-norm in SRC (the default recipe's) -> a plain Qwen3 checkpoint in the new
+    folder DST, which loads with ``AutoModelForCausalLM.from_pretrained(DST)`` and no remote code. Returns DST.
+
+    Raises ValueError listing every field that Qwen3 cannot express (see ``qwen3_config_from_decoderlab``)."""
+    return convert(TO_QWEN3, src, dst, "--to qwen3", max_shard_size)
+
+
 def main(argv: list[str] | None = None) -> None:
     from .gguf_export import OUTTYPES, convert_to_gguf  # here: gguf_export builds on this module
 
     parser = argparse.ArgumentParser(
         prog="python -m decoderlab.convert",
-        description="Convert Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, or decoderlab to Llama or GGUF.",
+        description="Convert Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, or decoderlab to Llama, Qwen3, GGUF.",
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from", dest="family", choices=list(FROM), help="convert this family to decoderlab")
-    targets = ["llama", "gguf", "onnx", "executorch"]
+    targets = ["llama", "qwen3", "gguf", "onnx", "executorch"]
     direction.add_argument("--to", dest="target", choices=targets, help="convert decoderlab to this family or format")
     parser.add_argument("src", help="checkpoint folder, or a Hub repo id (downloaded)")
     parser.add_argument("dst", help="new folder for the converted checkpoint (gguf, onnx, executorch: a new file)")
@@ -586,6 +664,8 @@ def main(argv: list[str] | None = None) -> None:
             convert_to_llama(args.src, args.dst, args.max_shard_size)
         elif args.target == "gguf":
             convert_to_gguf(args.src, args.dst, args.outtype or "f32")
+        elif args.target == "qwen3":
+            convert_to_qwen3(args.src, args.dst, args.max_shard_size)
         else:
             from .export import EXPORTERS  # imports this module: here, not at the top
 

@@ -3,17 +3,21 @@
     python -m decoderlab.convert --to gguf SRC OUT.gguf [--outtype f32|f16|bf16|q8_0]
 
 or from Python, ``convert_to_gguf(src, out, outtype)``. Written with the ``gguf`` library (the format's
-reference writer, ``pip install decoderlab[export]``) under llama.cpp's ``llama`` architecture: its tensor
-names (``gguf.get_tensor_name_map``) and metadata keys, the tokenizer included.
+reference writer, ``pip install decoderlab[export]``) under one of llama.cpp's architectures: ``qwen3`` for a
+model with QK-norm (the default recipe's), ``llama`` otherwise; with its tensor names
+(``gguf.get_tensor_name_map``; QK-norm's weights are ``attn_q_norm`` / ``attn_k_norm``) and metadata keys, the
+tokenizer included.
 
-What exports: every configuration ``--to llama`` accepts (``llama_config_from_decoderlab`` refuses the rest,
-field by field), less what llama.cpp's Llama graph or transformers' GGUF loader cannot read back from the
-file (``gguf_blockers``): a non-SiLU MLP, scaled RoPE, biases.
+What exports: every configuration ``--to qwen3`` (QK-norm) or ``--to llama`` (no QK-norm) accepts
+(``qwen3_config_from_decoderlab`` / ``llama_config_from_decoderlab`` refuse the rest, field by field), less what
+llama.cpp's graph or transformers' GGUF loader cannot read back from the file (``gguf_blockers``): a non-SiLU
+MLP, scaled RoPE, biases.
 
-RoPE layout: decoderlab, like HF Llama, rotates the two halves of each head (``rotate_half``); llama.cpp's
-``llama`` graph rotates adjacent pairs, Meta's original layout (Su et al. 2021 write it that way). So the
-rows of each head of q_proj and k_proj are reordered (``interleave_rope_rows``), as llama.cpp's own HF
-converter does; transformers' GGUF loader reorders them back.
+RoPE layout: decoderlab, like HF Llama and HF Qwen3, rotates the two halves of each head (``rotate_half``).
+llama.cpp's ``qwen3`` graph does too (its NEOX rope type), so those rows go as they are. Its ``llama`` graph
+rotates adjacent pairs, Meta's original layout (Su et al. 2021 write it that way): there the rows of each head
+of q_proj and k_proj are reordered (``interleave_rope_rows``), as llama.cpp's own HF converter does, and
+transformers' GGUF loader reorders them back.
 
 Tokenizer: GGUF's byte-level BPE (``tokenizer.ggml.model = "gpt2"``, GPT-2's pre-tokenizer ``"gpt-2"``),
 which both readers rebuild with the same ids, carries
@@ -38,15 +42,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from .configuration_decoderlab import DecoderLabConfig
 from .convert import (
     TO_LLAMA,
+    TO_QWEN3,
     CheckpointReader,
+    Conversion,
     llama_config_from_decoderlab,
     make_skeleton,
     plan_tensors,
+    qwen3_config_from_decoderlab,
     read_source_config,
     refuse_fields,
     resolve_source,
@@ -73,25 +81,35 @@ def _gguf():
 # What a GGUF file can say
 
 
-def gguf_blockers(llama: LlamaConfig) -> None:
-    """A ValueError listing what llama.cpp's ``llama`` graph or transformers' GGUF loader would not read back
-    from the file, for a config ``llama_config_from_decoderlab`` already accepted."""
-    rope_type = (llama.rope_parameters or {}).get("rope_type", "default")
+def target_config(config: DecoderLabConfig) -> tuple[Conversion, PreTrainedConfig]:
+    """The family a GGUF file describes ``config`` as: Qwen3 with QK-norm, else Llama (llama.cpp has both
+    graphs); its Conversion names the tensors. Raises the family's field-by-field ValueError."""
+    if config.qk_norm:
+        return TO_QWEN3, qwen3_config_from_decoderlab(config)
+    return TO_LLAMA, llama_config_from_decoderlab(config)
+
+
+def gguf_blockers(target: PreTrainedConfig) -> None:
+    """A ValueError listing what llama.cpp's ``llama`` / ``qwen3`` graph or transformers' GGUF loader would not
+    read back from the file, for a config ``target_config`` already accepted."""
+    family, flag = target.model_type.capitalize(), f"--to {target.model_type}"
+    rope_type = (target.rope_parameters or {}).get("rope_type", "default")
+    no_biases = f"transformers' GGUF loader builds {family} without biases (False)"
     in_the_way = {
-        "hidden_act": (llama.hidden_act != "silu", "llama.cpp's Llama MLP gates with SiLU ('silu')"),
+        "hidden_act": (target.hidden_act != "silu", f"llama.cpp's {family} MLP gates with SiLU ('silu')"),
         "rope_parameters['rope_type']": (
             rope_type != "default",
             "this export writes unscaled RoPE ('default'); transformers' GGUF loader reads no RoPE scaling",
         ),
-        "attention_bias": (llama.attention_bias, "transformers' GGUF loader builds Llama without biases (False)"),
-        "mlp_bias": (llama.mlp_bias, "transformers' GGUF loader builds Llama without biases (False)"),
+        "attention_bias": (target.attention_bias, no_biases),
+        "mlp_bias": (getattr(target, "mlp_bias", False), no_biases),  # Qwen3Config has none: already refused
     }
     refuse_fields(
         in_the_way,
-        llama,
+        target,
         {"rope_parameters['rope_type']": rope_type},
-        "This configuration exports to Llama but not to GGUF",
-        "Export it with --to llama instead (a Hugging Face checkpoint that needs no remote code).",
+        f"This configuration exports to {family} but not to GGUF",
+        f"Export it with {flag} instead (a Hugging Face checkpoint that needs no remote code).",
     )
 
 
@@ -230,28 +248,29 @@ def storage_type(gguf, shape: tuple[int, ...], outtype: str):
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 
 
-def write_metadata(writer, gguf, llama: LlamaConfig, vocab: GGUFVocab, name: str, outtype: str) -> None:
+def write_metadata(writer, gguf, hf: PreTrainedConfig, vocab: GGUFVocab, name: str, outtype: str) -> None:
+    """hf.cpp's keys for ``hf`` (a LlamaConfig or Qwen3Config: the two read the same keys)."""
     writer.add_name(name)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[outtype]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_vocab_size(llama.vocab_size)
-    writer.add_context_length(llama.max_position_embeddings)
-    writer.add_embedding_length(llama.hidden_size)
-    writer.add_block_count(llama.num_hidden_layers)
-    writer.add_feed_forward_length(llama.intermediate_size)
-    writer.add_head_count(llama.num_attention_heads)
-    writer.add_head_count_kv(llama.num_key_value_heads)
-    writer.add_key_length(llama.head_dim)
-    writer.add_value_length(llama.head_dim)
-    writer.add_rope_dimension_count(llama.head_dim)  # every dimension rotates (partial rotary is refused)
-    writer.add_rope_freq_base(llama.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(llama.rms_norm_eps)
+    writer.add_vocab_size(hf.vocab_size)
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads)
+    writer.add_key_length(hf.head_dim)
+    writer.add_value_length(hf.head_dim)
+    writer.add_rope_dimension_count(hf.head_dim)  # every dimension rotates (partial rotary is refused)
+    writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(vocab.types)
-    # llama.cpp requires the merges key; gguf's writer skips an empty list, so a merge-less one is added raw
+    # hf.cpp requires the merges key; gguf's writer skips an empty list, so a merge-less one is added raw
     string = gguf.GGUFValueType.STRING
     writer.add_key_value(gguf.Keys.Tokenizer.MERGES, vocab.merges, gguf.GGUFValueType.ARRAY, sub_type=string)
     for key, token_id in vocab.special_ids.items():
@@ -302,40 +321,44 @@ def load_source_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
 
 
 def convert_to_gguf(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32") -> Path:
-    """A decoderlab checkpoint in SRC (folder or Hub repo id) -> the new GGUF file OUT (llama.cpp's ``llama``
-    architecture, tokenizer included), its matrices stored as ``outtype``. Returns OUT.
+    """A decoderlab checkpoint in SRC (folder or Hub repo id) -> the new GGUF file OUT (hf.cpp's ``qwen3``
+    architecture with QK-norm, else ``llama``; tokenizer included), its matrices stored as ``outtype``. Returns OUT.
 
     Raises ValueError, before anything is written, for an unknown ``outtype``, an OUT that exists or whose
-    folder does not, a SRC that is not decoderlab, a configuration Llama or GGUF cannot express (every field
-    named), or a tokenizer GGUF cannot carry with the same ids."""
+    folder does not, a SRC that is not decoderlab, a configuration Qwen3 / Llama or GGUF cannot express (every
+    field named), or a tokenizer GGUF cannot carry with the same ids."""
     if outtype not in OUTTYPES:
         raise ValueError(f"Unknown outtype {outtype!r}; choose one of {', '.join(map(repr, OUTTYPES))}.")
     out = prepare_output(out)
     gguf = _gguf()
     src_dir = resolve_source(src)
     config = read_source_config(src_dir, TO_LLAMA, "--to gguf")
-    llama = llama_config_from_decoderlab(config)
-    gguf_blockers(llama)
-    vocab = gguf_vocab(load_source_tokenizer(src_dir), llama.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, llama.num_hidden_layers)
-    heads = {"q_proj": llama.num_attention_heads, "k_proj": llama.num_key_value_heads}
+    conversion, hf = target_config(config)
+    gguf_blockers(hf)
+    vocab = gguf_vocab(load_source_tokenizer(src_dir), hf.vocab_size)
+    arch = gguf.MODEL_ARCH.QWEN3 if hf.model_type == "qwen3" else gguf.MODEL_ARCH.LLAMA
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]  # "qwen3", "llama"
+    names = gguf.get_tensor_name_map(arch, hf.num_hidden_layers)
+    heads = {"q_proj": hf.num_attention_heads, "k_proj": hf.num_key_value_heads}
+    # llama's graph rotates adjacent pairs (interleave_rope_rows); qwen3's rotates the two halves, as decoderlab
+    interleaved = arch == gguf.MODEL_ARCH.LLAMA
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     writer = None
     try:
         with CheckpointReader(src_dir) as reader:
-            skeleton = make_skeleton(LlamaForCausalLM, llama, torch.float32)
-            plan, shapes = plan_tensors(reader, TO_LLAMA, skeleton), skeleton.state_dict()
+            skeleton = make_skeleton(conversion.target_model, hf, torch.float32)
+            plan, shapes = plan_tensors(reader, conversion, skeleton), skeleton.state_dict()
             tensors = {}  # GGUF name -> (source name, shape, storage type), in writing order
             for source, targets in plan.items():
                 for target in targets:
                     gguf_name = names.get_name(target, try_suffixes=(".weight", ".bias"))
                     if gguf_name is None:
-                        raise ValueError(f"llama.cpp's llama architecture has no tensor for {target!r}.")
+                        raise ValueError(f"llama.cpp's {arch_name} architecture has no tensor for {target!r}.")
                     shape = tuple(shapes[target].shape)
                     tensors[gguf_name] = (source, shape, storage_type(gguf, shape, outtype))
-            writer = _empty_array_writer(gguf)(tmp, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-            write_metadata(writer, gguf, llama, vocab, src_dir.name, outtype)
+            writer = _empty_array_writer(gguf)(tmp, arch=arch_name)
+            write_metadata(writer, gguf, hf, vocab, src_dir.name, outtype)
             for gguf_name, (_, shape, qtype) in tensors.items():
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
                 nbytes = math.prod(shape[:-1]) * shape[-1] // block * type_size
@@ -346,7 +369,7 @@ def convert_to_gguf(src: str | os.PathLike, out: str | os.PathLike, outtype: str
             for source, _, qtype in tensors.values():  # (out, in) rows, as GGUF stores them
                 tensor = reader[source].to(torch.float32)
                 projection = source.rsplit(".", 2)[-2]
-                if projection in heads:
+                if interleaved and projection in heads:
                     tensor = interleave_rope_rows(tensor, heads[projection])
                 writer.write_tensor_data(gguf.quants.quantize(tensor.numpy(), qtype))
         writer.close()
@@ -356,7 +379,7 @@ def convert_to_gguf(src: str | os.PathLike, out: str | os.PathLike, outtype: str
             writer.close()
         tmp.unlink(missing_ok=True)
     logger.info(
-        f"Wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {outtype}, {len(tensors)} tensors, "
-        f"{len(vocab.tokens)} tokens{', tied embeddings' if llama.tie_word_embeddings else ''})."
+        f"Wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {arch_name}, {outtype}, {len(tensors)} tensors, "
+        f"{len(vocab.tokens)} tokens{', tied embeddings' if hf.tie_word_embeddings else ''})."
     )
     return out

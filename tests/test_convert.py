@@ -1,4 +1,4 @@
-"""decoderlab.convert: Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, and decoderlab to Llama.
+"""decoderlab.convert: Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, and decoderlab to Llama and Qwen3.
 
 The reference is always transformers' own implementation: a random-weight LlamaForCausalLM,
 GPT2LMHeadModel or GPTNeoXForCausalLM built here, saved, converted, and compared logit for logit
@@ -24,10 +24,18 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3ForCausalLM,
 )
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.convert import convert_from, convert_to_llama, llama_config_from_decoderlab, main
+from decoderlab.convert import (
+    convert_from,
+    convert_to_llama,
+    convert_to_qwen3,
+    llama_config_from_decoderlab,
+    main,
+    qwen3_config_from_decoderlab,
+)
 
 VOCAB = 99
 SIZES = dict(vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=None, eos_token_id=None)
@@ -396,4 +404,116 @@ def test_cli_both_directions(tmp_path, randomize, ids, capsys):
     assert exited.value.code == 1
     stand_in_the_way = capsys.readouterr().err.split("stand in the way:\n")[1].split("\nOnly models")[0]
     assert stand_in_the_way == "  embedding_multiplier=2.0: Llama uses its token embeddings unscaled (1.0)"
+    assert not (tmp_path / "refused").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# decoderlab -> Qwen3: Llama-shaped models with QK-norm, the default recipe's among them
+
+QWEN3_CASES = {
+    "mha-untied": dict(num_key_value_heads=4),
+    "gqa-tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
+    "mqa-headdim32-biases-gelu-theta5e5": dict(
+        num_key_value_heads=1,
+        head_dim=32,
+        attention_bias=True,
+        hidden_act="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        norm_eps=1e-5,
+    ),
+    # training/configs/shakespeare_char.yaml's model, what `make demo` trains
+    "default-recipe": dict(
+        hidden_size=128, num_hidden_layers=4, intermediate_size=256, initializer_range=0.06, tie_word_embeddings=False
+    ),
+}
+
+
+def qk_norm_model(randomize, **overrides) -> DecoderLabForCausalLM:
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+    config = DecoderLabConfig.from_preset("llama", **SIZES, **{**sizes, "qk_norm": True, **overrides})
+    return randomize(DecoderLabForCausalLM(config)).eval()
+
+
+@pytest.mark.parametrize("case", list(QWEN3_CASES))
+def test_qk_norm_models_export_to_plain_qwen3(case, tmp_path, randomize, ids):
+    """--to qwen3 writes a checkpoint plain transformers loads as Qwen3ForCausalLM (no remote code, no auto_map,
+    no .py files) computing decoderlab's logits (fp32, atol 1e-5) and greedy tokens through Qwen3's own KV cache:
+    QK-norm's weights and eps, MHA/GQA/MQA, tied and untied heads, explicit head_dim, attention biases, another
+    activation, RoPE theta, and the default recipe's shape. No sliding window: every layer attends fully."""
+    original = qk_norm_model(randomize, **QWEN3_CASES[case])
+    exported = convert_to_qwen3(saved(original, tmp_path / "decoderlab"), tmp_path / "qwen3")
+    written = json.loads((exported / "config.json").read_text())
+    assert written["model_type"] == "qwen3" and "auto_map" not in written
+    assert not list(exported.glob("*.py"))
+    as_qwen3 = AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert type(as_qwen3) is Qwen3ForCausalLM
+    assert as_qwen3.config.layer_types == ["full_attention"] * original.config.num_hidden_layers
+    assert as_qwen3.config.sliding_window is None
+    assert as_qwen3.config.tie_word_embeddings == original.config.tie_word_embeddings
+    assert_same_model(original, as_qwen3, ids)
+
+
+def test_qk_norm_eps_and_weights_matter_to_the_qwen3_check(tmp_path, randomize, ids):
+    """The comparison above has teeth for what only Qwen3 adds: the same export with QK-norm's weights reset to
+    ones differs by more than the tolerance, so a converter that dropped or misplaced q_norm/k_norm fails."""
+    original = qk_norm_model(randomize)
+    exported = convert_to_qwen3(saved(original, tmp_path / "decoderlab"), tmp_path / "qwen3")
+    wrong = AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        for layer in wrong.model.layers:
+            layer.self_attn.q_norm.weight.fill_(1.0)
+            layer.self_attn.k_norm.weight.fill_(1.0)
+        assert (wrong(ids).logits - original(ids).logits).abs().max() > 1e-3
+
+
+def test_qwen3_export_refusal_lists_every_field_in_the_way(tmp_path, randomize):
+    """What Qwen3 cannot express is refused field by field, in Qwen3's words: a model without QK-norm (Qwen3
+    always normalises q and k, so it is pointed to --to llama), MLP biases (Qwen3's MLP has none), and all that
+    Llama refuses too; nothing is written."""
+    with pytest.raises(ValueError) as refused:
+        qwen3_config_from_decoderlab(DecoderLabConfig.from_preset("vaswani", "nano"))
+    message = str(refused.value)
+    assert message.startswith("A Qwen3 checkpoint cannot express this decoderlab configuration")
+    for field in (
+        "norm_placement='post': Qwen3 normalises before each sublayer",
+        "norm_type='layernorm'",
+        "position_embedding_type=",
+        "embedding_multiplier=11.31",
+        "qk_norm=False: Qwen3 always normalises each head's queries and keys (True); export this model with --to llama",
+    ):
+        assert field in message
+
+    src = saved(qk_norm_model(randomize, qk_norm=False, mlp_bias=True), tmp_path / "src")
+    with pytest.raises(ValueError) as refused:
+        convert_to_qwen3(src, tmp_path / "dst")
+    stand_in_the_way = str(refused.value).split("stand in the way:\n")[1].split("\nOnly models")[0]
+    assert stand_in_the_way.splitlines() == [
+        "  qk_norm=False: Qwen3 always normalises each head's queries and keys (True); export this model with "
+        "--to llama",
+        "  mlp_bias=True: Qwen3's MLP has no biases (False)",
+    ]
+    assert not (tmp_path / "dst").exists()
+
+
+def test_llama_refusal_of_qk_norm_points_to_qwen3(tmp_path, randomize):
+    """The default recipe's model, refused by --to llama for its QK-norm alone, is told where it does export."""
+    src = saved(qk_norm_model(randomize, **QWEN3_CASES["default-recipe"]), tmp_path / "src")
+    with pytest.raises(
+        ValueError, match=r"way:\n  qk_norm=True: Llama does not normalise .* \(--to qwen3 does\)\nOnly"
+    ):
+        convert_to_llama(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_cli_to_qwen3(tmp_path, randomize, ids, capsys):
+    """`python -m decoderlab.convert --to qwen3 SRC DST` writes the Qwen3 checkpoint; a model it cannot express
+    exits with status 1 and the field-by-field error, not a traceback."""
+    original = qk_norm_model(randomize, num_key_value_heads=2)
+    main(["--to", "qwen3", str(saved(original, tmp_path / "src")), str(tmp_path / "qwen3")])
+    assert_same_model(original, Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3").eval(), ids)
+    plain = saved(qk_norm_model(randomize, qk_norm=False), tmp_path / "plain")
+    with pytest.raises(SystemExit) as exited:
+        main(["--to", "qwen3", str(plain), str(tmp_path / "refused")])
+    assert exited.value.code == 1
+    assert "error: A Qwen3 checkpoint cannot express" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()

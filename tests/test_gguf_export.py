@@ -1,14 +1,14 @@
 """decoderlab.gguf_export: decoderlab checkpoints as GGUF files, checked by two readers nobody here wrote.
 
-1. transformers' GGUF loader (``from_pretrained(DIR, gguf_file=NAME)``, which de-interleaves q/k and builds a
-   LlamaForCausalLM from llama.cpp's metadata keys) must give decoderlab's logits (fp32, atol 1e-4) and its
-   tokenizer the same ids as the checkpoint's.
+1. transformers' GGUF loader (``from_pretrained(DIR, gguf_file=NAME)``, which builds a LlamaForCausalLM, q/k
+   de-interleaved, or for QK-norm models a Qwen3ForCausalLM, from llama.cpp's metadata keys) must give
+   decoderlab's logits (fp32, atol 1e-4) and its tokenizer the same ids as the checkpoint's.
 2. llama.cpp itself (llama-cpp-python 0.3.36 built from source by ``make llamacpp`` into .venv-llamacpp, run in a
    subprocess by tests/llamacpp_runner.py) must give the same token ids, the same greedy continuation and
    last-token logits within 1e-3 for the f32 file; f16, bf16 and q8_0 within looser, stated tolerances.
 
 Models are random (conftest's ``randomize``, so that every weight matters), built from the ``llama`` preset,
-with the tokenizers the training scripts make (character, byte-level BPE) and a GPT-2-style one (vocab and
+with and without QK-norm (llama.cpp's ``qwen3`` and ``llama`` architectures), with the tokenizers the training scripts make (character, byte-level BPE) and a GPT-2-style one (vocab and
 merges, <|endoftext|> last, the model's vocabulary padded beyond the tokenizer's).
 """
 
@@ -17,6 +17,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Tokenizer
@@ -57,8 +58,16 @@ def tokenizers(shakespeare) -> dict:
     return {"char": train_char_tokenizer([shakespeare]), "bpe": bpe, "gpt2-style": gpt2_style(bpe)}
 
 
-# tokenizer, config overrides: MHA and GQA/MQA, tied and untied, explicit head_dim, a padded vocabulary
+# the default recipe's model (training/configs/shakespeare_char.yaml, what `make demo` trains), QK-norm included
+DEFAULT_RECIPE = dict(
+    hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256, qk_norm=True,
+    initializer_range=0.06, tie_word_embeddings=False,
+)  # fmt: skip
+
+# tokenizer, config overrides: MHA and GQA/MQA, tied and untied, explicit head_dim, a padded vocabulary; QK-norm
 CASES = {
+    "char-default-recipe-qknorm": ("char", DEFAULT_RECIPE),
+    "bpe-qknorm-gqa-tied": ("bpe", dict(qk_norm=True, num_key_value_heads=2, tie_word_embeddings=True)),
     "char-mha-untied": ("char", dict(num_key_value_heads=4)),
     "bpe-gqa-tied": ("bpe", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "gpt2style-mqa-headdim32-theta5e5-padded": (
@@ -74,15 +83,9 @@ CASES = {
 
 
 def llama_model(randomize, vocab_size: int, **overrides) -> DecoderLabForCausalLM:
+    sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     config = DecoderLabConfig.from_preset(
-        "llama",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        **overrides,
+        "llama", vocab_size=vocab_size, max_position_embeddings=128, **{**sizes, **overrides}
     )
     return randomize(DecoderLabForCausalLM(config)).eval()
 
@@ -111,15 +114,29 @@ def logits(model, ids: list[int]) -> torch.Tensor:
 # transformers' GGUF loader
 
 
+def load_gguf(out: Path, config: DecoderLabConfig):
+    """transformers' GGUF loader on ``out``. Its qwen3 mapping reads no head_dim (it has no attention.key_length,
+    so Qwen3Config's default of 128 stands and the weights do not fit), so for qwen3 files head_dim is given
+    here; llama.cpp, which reads the key, checks it in the llama.cpp tests below."""
+    head_dim = {"head_dim": config.head_dim} if config.qk_norm else {}
+    return AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name, **head_dim).eval()
+
+
 @pytest.mark.parametrize("case", list(CASES), indirect=True)
 def test_transformers_gguf_loader_reads_the_same_model_and_tokenizer(case, tmp_path):
     """The f32 file read back by transformers' own GGUF loader is decoderlab's model: logits within 1e-4 (fp32)
     at every position, the same tokenizer ids for text with newlines, runs of spaces and <|endoftext|>, and the
     same tying. It protects the tensor names and metadata keys, the q/k interleaving (the loader undoes
-    llama.cpp's layout, so a missing or wrong permutation shows here), head_dim, GQA, and the vocabulary."""
+    llama.cpp's layout, so a missing or wrong permutation shows here), head_dim, GQA, and the vocabulary; with
+    QK-norm, llama.cpp's qwen3 architecture, its attn_q_norm / attn_k_norm and q/k rows left as they are."""
     model, tokenizer, src = case
     out = convert_to_gguf(src, tmp_path / "model.gguf")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()
+    reader = gguf.GGUFReader(out)
+    arch = "qwen3" if model.config.qk_norm else "llama"
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == arch
+    assert ("blk.0.attn_q_norm.weight" in {t.name for t in reader.tensors}) == model.config.qk_norm
+    loaded = load_gguf(out, model.config)
+    assert type(loaded).__name__ == ("Qwen3ForCausalLM" if model.config.qk_norm else "LlamaForCausalLM")
     assert loaded.config.tie_word_embeddings == model.config.tie_word_embeddings
     assert loaded.config.num_key_value_heads == model.config.num_key_value_heads
     gguf_tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
@@ -219,9 +236,11 @@ LLAMACPP_RELATIVE_TOLERANCE = {"f32": 1e-4, "f16": 5e-3, "bf16": 3e-2, "q8_0": 3
 @pytest.mark.slow
 def test_llamacpp_runs_every_outtype_within_its_tolerance(tokenizers, randomize, tmp_path):
     """Each --outtype file runs in llama.cpp, last-token logits within the stated fraction of the largest logit
-    of decoderlab's (f32 1e-4, f16 5e-3, bf16 and q8_0 3e-2), for a character model and a tied BPE model."""
+    of decoderlab's (f32 1e-4, f16 5e-3, bf16 and q8_0 3e-2), for a character model (llama architecture) and a
+    tied BPE model with QK-norm (qwen3 architecture)."""
     models, jobs = [], []
-    for kind, overrides in (("char", {}), ("bpe", {"tie_word_embeddings": True, "num_key_value_heads": 2})):
+    bpe = {"tie_word_embeddings": True, "num_key_value_heads": 2, "qk_norm": True}
+    for kind, overrides in (("char", {}), ("bpe", bpe)):
         tokenizer = tokenizers[kind]
         model = llama_model(randomize, len(tokenizer), **overrides)
         src = checkpoint(tmp_path / kind, model, tokenizer)
@@ -295,7 +314,13 @@ def test_a_checkpoint_that_is_not_decoderlab_is_refused(randomize, tmp_path):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(norm_placement="post", qk_norm=True), r"norm_placement='post'.*\n.*qk_norm=True"),  # Llama's own list
+        (dict(norm_placement="post", mlp_type="plain"), r"norm_placement='post'.*\n.*mlp_type='plain'"),  # Llama's
+        (dict(qk_norm=True, mlp_bias=True), r"A Qwen3 checkpoint .*\n  mlp_bias=True: Qwen3's MLP has no biases"),
+        (
+            dict(qk_norm=True, attention_bias=True, hidden_act="gelu"),
+            r"exports to Qwen3 but not to GGUF.*\n  hidden_act='gelu': llama.cpp's Qwen3 MLP gates with SiLU.*\n"
+            r"  attention_bias=True: transformers' GGUF loader builds Qwen3 without biases.*\n.*--to qwen3 instead",
+        ),
         (
             dict(hidden_act="gelu_pytorch_tanh"),
             r"hidden_act='gelu_pytorch_tanh': llama.cpp's Llama MLP gates with SiLU",
@@ -308,9 +333,10 @@ def test_a_checkpoint_that_is_not_decoderlab_is_refused(randomize, tmp_path):
     ],
 )
 def test_configurations_gguf_cannot_carry_are_refused_field_by_field(overrides, match, tokenizers, randomize, tmp_path):
-    """What --to llama refuses is refused with its field-by-field error; what Llama has but llama.cpp's graph or
-    transformers' GGUF loader would not read back (another activation, biases, scaled RoPE) is refused too,
-    each field named with its value, rather than written into a file that computes something else."""
+    """What --to llama (without QK-norm) or --to qwen3 (with it) refuses is refused with its field-by-field error;
+    what Llama or Qwen3 has but llama.cpp's graph or transformers' GGUF loader would not read back (another
+    activation, biases, scaled RoPE) is refused too, each field named with its value and the family's
+    --to flag offered instead, rather than written into a file that computes something else."""
     tokenizer = tokenizers["char"]
     model = llama_model(randomize, len(tokenizer), **overrides)
     (tmp_path / "out").mkdir()
