@@ -1,8 +1,8 @@
 """Claim 1, the 1/sqrt(d_k) scale (Vaswani et al. 2017, section 3.2.1): without it the dot products q.k grow
 with d_k, the softmax saturates and its gradients vanish; with it their variance stays near 1.
 
-    python -m experiments.attention_scale            # about 4 minutes on 2 CPU cores
-    python -m experiments.attention_scale --quick    # smoke test
+    python -m experiments.attention_scale --jobs 2 --threads 1   # about 5 minutes on 2 CPU cores
+    python -m experiments.attention_scale --quick                # smoke test
 
 Two parts. (a) One decoderlab attention module per d_k, fed unit-variance queries and keys (the premise of
 the paper's footnote), once with ``attention_scale=None`` (1/sqrt(d_k)) and once with ``1.0`` (off): the
@@ -23,6 +23,10 @@ from decoderlab.modeling_decoderlab import DecoderLabAttention
 from . import common
 
 NAME = "attention_scale"
+REVISION = (
+    "This version trains each model with three seeds and counts the loss check only when the gap exceeds the "
+    "seed-to-seed spread; the measurement part is unchanged."
+)
 
 
 @dataclass(frozen=True)
@@ -175,17 +179,18 @@ def run(session: common.Session, settings: Settings) -> None:
         hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers,
         num_attention_heads=settings.num_attention_heads, head_dim=settings.train_head_dim,
     )  # fmt: skip
-    runs = {
-        label: common.train_model(session, corpus, f"scale={scale}", {**model_fields, "attention_scale": scale}, recipe)
+    specs = {
+        label: common.Spec(f"scale={scale}", {**model_fields, "attention_scale": scale}, recipe)
         for label, scale in SCALES.items()
     }
-    stats = {label: attention_statistics(run.model, corpus.eval_blocks[:16]) for label, run in runs.items()}
+    runs = common.train_all(session, corpus, specs)  # label -> Trials, one run per seed
+    stats = {label: attention_statistics(trials.model, corpus.eval_blocks[:16]) for label, trials in runs.items()}
 
     fig, axes = common.figure(ncols=2, width=5.2)
-    for label, run in runs.items():
-        (line,) = axes[0][0].plot(*zip(*run.train_curve), label=f"scale {label}, train")
-        axes[0][0].plot(*zip(*run.eval_curve), marker="o", ls="--", color=line.get_color(), label=f"scale {label}, val")
-        bars = axes[0][1].bar(label, stats[label]["max_weight"], color=line.get_color())
+    for i, (label, trials) in enumerate(runs.items()):
+        common.plot_seed_curves(axes[0][0], trials, f"C{i}", label=f"scale {label}, train")
+        common.plot_seed_curves(axes[0][0], trials, f"C{i}", "--", label=f"scale {label}, val", curve="eval_curve")
+        bars = axes[0][1].bar(label, stats[label]["max_weight"], color=f"C{i}")
         axes[0][1].bar_label(bars, fmt="%.3f")
     axes[0][0].set(xlabel="step", ylabel="loss (nats/char)", title=f"training at head_dim={settings.train_head_dim}")
     axes[0][0].legend(fontsize=8)
@@ -200,7 +205,7 @@ def run(session: common.Session, settings: Settings) -> None:
     median_off, median_on = column(without, "jacobian_median"), column(with_scale, "jacobian_median")
     mean_off, mean_on = column(without, "jacobian_mean"), column(with_scale, "jacobian_mean")
     grad_off, grad_on = column(without, "grad_norm_qk"), column(with_scale, "grad_norm_qk")
-    loss_on, loss_off = runs[with_scale].final_eval_loss, runs[without].final_eval_loss
+    loss_on, loss_off = runs[with_scale].mean, runs[without].mean
     largest = f"d_k={settings.head_dims[-1]}"
     checks = [
         common.Check(
@@ -230,9 +235,11 @@ def run(session: common.Session, settings: Settings) -> None:
             f"mean ‖J‖ {mean_off[-1]:.3g} unscaled vs {mean_on[-1]:.3g} scaled",
         ),
         common.Check(
-            f"with the scale, training at head_dim={settings.train_head_dim} reaches a lower validation loss",
-            bool(loss_on < loss_off),
-            f"{loss_on:.4f} with vs {loss_off:.4f} without",
+            f"with the scale, training at head_dim={settings.train_head_dim} reaches a lower validation loss (by more "
+            "than the seed-to-seed spread)",
+            common.lower_beyond_spread(runs[with_scale], runs[without]),
+            f"{runs[with_scale]} with vs {runs[without]} without; "
+            + common.spread_note(runs[with_scale], runs[without]),
         ),
     ]
 
@@ -251,9 +258,9 @@ def run(session: common.Session, settings: Settings) -> None:
         ["attention scale", "final train loss", "final validation loss", "mean largest weight", "entropy (nats)",
          "score std", "train time (s)"],
         [
-            [label, run.final_train_loss, run.final_eval_loss, stats[label]["max_weight"], stats[label]["entropy"],
-             stats[label]["score_std"], round(run.seconds)]
-            for label, run in runs.items()
+            [label, common.mean_pm([run.final_train_loss for run in trials.runs]), str(trials),
+             stats[label]["max_weight"], stats[label]["entropy"], stats[label]["score_std"], round(trials.seconds)]
+            for label, trials in runs.items()
         ],
     )  # fmt: skip
     trained_on, trained_off = stats[with_scale], stats[without]
@@ -271,8 +278,9 @@ every score (1 instead of 1/sqrt(d_k)) and the queries that are not saturated do
 saturation as training enlarges W_Q and W_K; Adam also rescales every update, which hides small gradients. After
 {settings.steps} steps the unscaled model's attention has mean largest weight {trained_off["max_weight"]:.3f} and
 entropy {trained_off["entropy"]:.3f} nats (scaled: {trained_on["max_weight"]:.3f}, {trained_on["entropy"]:.3f}), with
-scores spread {trained_off["score_std"] / max(trained_on["score_std"], 1e-12):.1f}x wider; the validation losses differ
-by {loss_off - loss_on:+.4f} nats (unscaled minus scaled)."""
+scores spread {trained_off["score_std"] / max(trained_on["score_std"], 1e-12):.1f}x wider (the first seed's models); the
+validation losses differ by {loss_off - loss_on:+.4f} nats (unscaled minus scaled, mean of {len(session.seeds)} seeds;
+seed-to-seed standard deviations {runs[with_scale].std:.4f} and {runs[without].std:.4f})."""
     common.write_report(
         session,
         title="The 1/sqrt(d_k) attention scale",
@@ -291,13 +299,15 @@ exceeds 0.99. *Gradient through the softmax*: per query, the Frobenius norm ‖J
 to the weights*: ‖∂L/∂(W_Q, W_K)‖ for L = <output, g> with a fixed random g; W_Q and W_K learn only through the
 softmax.
 
-*Training.* Two models with identical initial weights, differing only in `attention_scale`:
+*Training.* Two models with identical initial weights, differing only in `attention_scale`, each trained with
+{len(session.seeds)} seeds (weights and data order; curves: one faint line per seed, their mean on top):
 {settings.num_hidden_layers} layers, hidden size {settings.hidden_size}, {settings.num_attention_heads} heads of
 `head_dim={settings.train_head_dim}`, RoPE, pre-RMSNorm, SwiGLU, default initialisation (std 0.02);
 character-level Tiny Shakespeare (vocabulary {corpus.vocab_size}) in blocks of {settings.block_size};
 {settings.steps} steps of batch {settings.batch_size}, AdamW at peak learning rate {settings.learning_rate} with
 {recipe.warmup_steps} warm-up steps and cosine decay, gradient clipping at 1.0. Validation loss on the first
-{len(corpus.eval_blocks)} validation blocks; attention statistics after training on 16 of them.""",
+{len(corpus.eval_blocks)} validation blocks; attention statistics of the first seed's models after training, on 16
+of them.""",
         results=f"""{measurement_png}
 
 {table}
@@ -307,9 +317,10 @@ character-level Tiny Shakespeare (vocabulary {corpus.vocab_size}) in blocks of {
 {train_table}""",
         checks=checks,
         discussion=discussion,
+        revision=REVISION,
         numbers={"measurement": measured, "training": {
-            label: {"train_curve": run.train_curve, "eval_curve": run.eval_curve, "attention": stats[label],
-                    "seconds": run.seconds} for label, run in runs.items()}},
+            label: {"final_eval_losses": t.losses.tolist(), "eval_curves": [r.eval_curve for r in t.runs],
+                    "attention": stats[label], "seconds": t.seconds} for label, t in runs.items()}},
     )  # fmt: skip
     session.log(f"wrote {session.output_dir / 'report.md'}")
 

@@ -7,10 +7,12 @@ a pretraining run with a different configuration, not a second implementation of
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import io
 import json
 import math
+import multiprocessing
 import pathlib
 import shlex
 import sys
@@ -19,6 +21,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 
+import numpy as np
 import PIL.Image
 import torch
 from accelerate import Accelerator
@@ -38,6 +41,7 @@ from training.models import build_model
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "experiments" / "results"
 DPI = 80  # small PNGs: the committed results stay well under 1 MB
+DEFAULT_SEEDS = 3  # every trained comparison: a difference counts only when it exceeds the seed-to-seed spread
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,12 +59,18 @@ class ExperimentOptions(Config):
         "else karpathy/tiny_shakespeare)"
     )  # fmt: skip
     device: typing.Literal["auto", "cpu", "cuda"] = option("auto", "auto: a GPU if present")
-    threads: int = option(2, "torch CPU threads")
-    seed: int = option(0, "seed of every model's weights and data order")
+    threads: int = option(2, "torch CPU threads (of each parallel run with --jobs)")
+    seed: int = option(0, "first seed: run i of a setting uses weights and data order of seed + i")
+    seeds: int | None = option(None, f"runs per trained setting (default {DEFAULT_SEEDS}; --quick: 1)")
+    jobs: int = option(1, "training runs at once, each in its own process (CPU: e.g. --jobs 2 --threads 1)")
 
     def check(self) -> None:
         if self.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {self.threads}.")
+        if self.seeds is not None and self.seeds < 1:
+            raise ValueError(f"--seeds must be at least 1, got {self.seeds}.")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {self.jobs}.")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but torch sees no CUDA GPU. Use --device cpu or auto.")
 
@@ -109,6 +119,12 @@ class Session:
 
     def command(self) -> str:
         return shlex.join(["python", "-m", f"experiments.{self.name}", *self.argv])
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds every trained setting runs with: ``--seed`` and the ones after it."""
+        count = self.args.seeds if self.args.seeds is not None else 1 if self.args.quick else DEFAULT_SEEDS
+        return [self.args.seed + i for i in range(count)]
 
     def log(self, message: str) -> None:
         print(f"[{self.name} {self.elapsed():6.0f} s] {message}", flush=True)
@@ -222,17 +238,36 @@ class Run:
         return self.train_curve[-1][1] if self.train_curve and self.diverged_by is None else math.nan
 
 
-def fresh_model(corpus: Corpus, model_fields: dict, seed: int) -> DecoderLabForCausalLM:
-    """``training.models.build_model``'s model for ``model_fields`` and the corpus's vocabulary, seeded."""
+def fresh_model(corpus: Corpus, model_fields: dict, seed: int, prepare: typing.Callable | None = None):
+    """``training.models.build_model``'s model for ``model_fields`` and the corpus's vocabulary, seeded; then
+    ``prepare(model)`` (an experiment's own initialisation, say), drawing from the same seeded generator."""
     set_seed(seed)
-    return build_model(model_fields, corpus.tokenizer, corpus.cfg.block_size)
+    model = build_model(model_fields, corpus.tokenizer, corpus.cfg.block_size)
+    if prepare is not None:
+        prepare(model)
+    return model
 
 
-def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict, recipe: Recipe) -> Run:
-    """Train a fresh ``DecoderLabForCausalLM`` (``model_fields`` plus the tokenizer's vocabulary) with
-    ``training.loop.train``; the weights depend only on the seed and the fields, so two runs that
-    differ in a field with no parameters (``attention_scale``) start from identical weights."""
+@dataclass(frozen=True)
+class Spec:
+    """One trained setting: its name, model fields and recipe; it is trained once per seed of the session.
+    ``prepare``: a module-level function (parallel runs pickle it) applied to each fresh model before training;
+    ``keep_model``: keep the trained models (for measurements after training), or only their numbers."""
+
+    name: str
+    model_fields: dict
+    recipe: Recipe
+    prepare: typing.Callable | None = None
+    keep_model: bool = True
+
+
+def train_model(session: Session, corpus: Corpus, spec: Spec, seed: int) -> Run:
+    """Train a fresh ``DecoderLabForCausalLM`` (``spec.model_fields`` plus the tokenizer's vocabulary) with
+    ``training.loop.train``; the weights and the data order depend only on the seed and the fields, so two
+    runs that differ in a field with no parameters (``attention_scale``) start from identical weights."""
+    recipe = spec.recipe
     scheduler_kwargs = {"min_lr_rate": 0.1} if recipe.scheduler == "cosine_with_min_lr" else {}
+    name = f"{spec.name}, seed {seed}"
     cfg = dataclasses.replace(
         corpus.cfg,
         output_dir=str(session.work_dir / name),
@@ -248,10 +283,11 @@ def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict,
         eval_steps=recipe.eval_every,
         max_eval_samples=recipe.eval_samples,
         checkpointing_steps=None,
+        seed=seed,
     )
-    model = fresh_model(corpus, model_fields, cfg.seed)
+    model = fresh_model(corpus, spec.model_fields, seed, spec.prepare)
     accelerator = accelerator_for(session, cfg)
-    batches = BlockBatches(corpus.train_blocks, recipe.batch_size, seed=cfg.seed)
+    batches = BlockBatches(corpus.train_blocks, recipe.batch_size, seed=seed)
     started = time.perf_counter()
     diverged_by = None
     try:
@@ -265,10 +301,108 @@ def train_model(session: Session, corpus: Corpus, name: str, model_fields: dict,
     if not eval_curve or eval_curve[-1][0] != recipe.steps:  # no final evaluation: the loop stopped early
         logged = train_curve[-1][0] if train_curve else 0
         diverged_by = min(logged + recipe.log_every, recipe.steps)
-    run = Run(name, model.eval(), train_curve, eval_curve, diverged_by, time.perf_counter() - started)
+    kept = model.eval() if spec.keep_model else None
+    run = Run(name, kept, train_curve, eval_curve, diverged_by, time.perf_counter() - started)
     outcome = f"diverged by step {diverged_by}" if diverged_by else f"validation loss {run.final_eval_loss:.4f}"
     session.log(f"{name}: {outcome} ({run.seconds:.0f} s)")
     return run
+
+
+@dataclass
+class Trials:
+    """The runs of one setting, one per seed (``seeds[i]`` gave ``runs[i]``)."""
+
+    name: str
+    seeds: list[int]
+    runs: list[Run]
+
+    @property
+    def losses(self) -> np.ndarray:
+        """(seeds,) final validation losses; NaN for a run that diverged."""
+        return np.array([run.final_eval_loss for run in self.runs])
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.losses))  # NaN when any seed diverged: a setting is only as good as its worst run
+
+    @property
+    def std(self) -> float:
+        """Seed-to-seed standard deviation of the final loss (sample, n - 1); 0 for a single seed."""
+        return spread(self.losses)
+
+    @property
+    def model(self):
+        """The first seed's trained model (the one figures of trained weights show)."""
+        return self.runs[0].model
+
+    @property
+    def seconds(self) -> float:
+        return sum(run.seconds for run in self.runs)
+
+    def count(self, predicate: typing.Callable[[Run], bool]) -> int:
+        return sum(bool(predicate(run)) for run in self.runs)
+
+    def __str__(self) -> str:
+        """'2.345 ± 0.012' (mean ± standard deviation over the seeds); 'NaN (2 of 3 diverged)' and the like."""
+        diverged = sum(run.diverged_by is not None for run in self.runs)
+        if diverged:
+            return f"NaN ({diverged} of {len(self.runs)} diverged)"
+        return mean_pm(self.losses)
+
+
+def per_seed(values) -> np.ndarray:
+    """The per-seed numbers of a ``Trials`` (its final losses) or of a sequence of per-seed measurements."""
+    return values.losses if isinstance(values, Trials) else np.asarray(values, dtype=float)
+
+
+def spread(values) -> float:
+    """Seed-to-seed standard deviation (sample, n - 1); 0 for a single seed."""
+    values = per_seed(values)
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def lower_beyond_spread(a, b) -> bool:
+    """Whether ``a``'s mean is below ``b``'s by more than the seed-to-seed spread: the gap between the means exceeds
+    the sum of the two standard deviations (with one seed each, any lower mean counts). ``a`` and ``b``: ``Trials``
+    (their final losses) or per-seed measurements."""
+    return bool(per_seed(b).mean() - per_seed(a).mean() > spread(a) + spread(b))
+
+
+def spread_note(a, b) -> str:
+    """'gap +0.034 vs spread 0.012' (``b``'s mean minus ``a``'s) for a check's evidence column."""
+    return f"gap {per_seed(b).mean() - per_seed(a).mean():+.3f} vs spread {spread(a) + spread(b):.3f}"
+
+
+def mean_pm(values, digits: int = 3) -> str:
+    """'1.234 ± 0.012' over the seeds ('1.234' for one seed)."""
+    values = per_seed(values)
+    return (
+        f"{values.mean():.{digits}f} ± {spread(values):.{digits}f}"
+        if len(values) > 1
+        else f"{values.mean():.{digits}f}"
+    )
+
+
+def train_all(session: Session, corpus: Corpus, specs: dict) -> dict:
+    """``{key: Trials}``: every spec of ``{key: Spec}`` trained once per seed of the session. With ``--jobs N``
+    the runs go to N worker processes (each with ``--threads`` threads), so CPU cores train separate models."""
+    tasks = [(key, spec, seed) for key, spec in specs.items() for seed in session.seeds]
+    if session.args.jobs == 1:
+        runs = [train_model(session, corpus, spec, seed) for _, spec, seed in tasks]
+    else:
+        context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+        with concurrent.futures.ProcessPoolExecutor(session.args.jobs, mp_context=context) as pool:
+            futures = [pool.submit(_train_in_worker, session, corpus, spec, seed) for _, spec, seed in tasks]
+            runs = [future.result() for future in futures]
+    trials = {key: Trials(spec.name, session.seeds, []) for key, spec in specs.items()}
+    for (key, _, _), run in zip(tasks, runs):
+        trials[key].runs.append(run)
+    return trials
+
+
+def _train_in_worker(session: Session, corpus: Corpus, spec: Spec, seed: int) -> Run:
+    torch.set_num_threads(session.args.threads)
+    return train_model(session, corpus, spec, seed)
 
 
 @torch.no_grad()
@@ -350,6 +484,35 @@ def save_figure(fig: Figure, session: Session, filename: str, alt: str) -> str:
     return f"![{alt}]({filename})"
 
 
+def plot_mean_and_seeds(ax, x, trials: list[Trials], top: float | None = None, **style) -> None:
+    """Mean final loss ± its seed-to-seed standard deviation at each ``x`` (error bars; none where a seed
+    diverged), and each seed's own loss as a faint dot; a diverged run is drawn at ``top`` (when given) as a cross."""
+    x = np.asarray(x, dtype=float)
+    losses = np.array([t.losses for t in trials])  # (points, seeds)
+    bars = ax.errorbar(x, [t.mean for t in trials], yerr=[t.std for t in trials], marker="o", capsize=3, **style)
+    color = bars.lines[0].get_color()
+    for column in losses.T:
+        finite = np.isfinite(column)
+        ax.scatter(x[finite], column[finite], s=10, color=color, alpha=0.35, zorder=2)
+        if top is not None and not finite.all():
+            ax.scatter(x[~finite], np.full((~finite).sum(), top), marker="x", s=40, color=color, zorder=3)
+
+
+def plot_seed_curves(ax, trials: Trials, color: str, ls: str = "-", label: str | None = None,
+                     curve: str = "train_curve") -> None:  # fmt: skip
+    """One faint line per seed (each run's ``train_curve`` or ``eval_curve``) and, labelled, their mean over the
+    steps every seed reached."""
+    curves = [getattr(run, curve) for run in trials.runs if getattr(run, curve)]
+    if not curves:
+        return
+    for points in curves:
+        ax.plot(*zip(*points), color=color, ls=ls, alpha=0.25, lw=0.8)
+    reached = min(len(points) for points in curves)
+    steps = [step for step, _ in curves[0][:reached]]
+    mean = np.mean([[value for _, value in points[:reached]] for points in curves], axis=0)
+    ax.plot(steps, mean, color=color, ls=ls, label=label or trials.name)
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     def cell(value) -> str:
         if isinstance(value, float):
@@ -377,11 +540,30 @@ def verdict(checks: list[Check]) -> str:
     return "does not hold" if held == 0 else "partly holds"
 
 
+def since_previous(output_dir: pathlib.Path, held: str, revision: str) -> str:
+    """One line comparing this verdict with the one the output folder's results.json held before this run (none
+    there: an empty string), with ``revision``, what this version of the experiment changed and why."""
+    path = output_dir / "results.json"
+    if not path.is_file():
+        return ""
+    previous = json.loads(path.read_text())
+    seeds = len(previous.get("seeds", [previous.get("settings", {}).get("seed", 0)]))
+    where = f", commit {previous['commit'][:12]}" if previous.get("commit") else ""
+    held_before = sum(c["held"] for c in previous.get("checks", []))
+    return (
+        f"\n**Since the previous run** ({seeds} seed{'s' if seeds > 1 else ''}{where}: the claim "
+        f"{previous.get('verdict', '?')}, {held_before} of {len(previous.get('checks', []))} checks held): "
+        f"{'the same verdict' if previous.get('verdict') == held else f'now it {held}'}. {revision}\n"
+    )
+
+
 def write_report(session: Session, *, title: str, claim: str, setup: str, results: str, checks: list[Check],
-                 discussion: str, numbers: dict) -> pathlib.Path:  # fmt: skip
-    """``report.md`` (claim, setup, results, verdict, how to reproduce, wall time) and ``results.json``
-    (the numbers behind it) in the output folder."""
+                 discussion: str, numbers: dict, revision: str = "") -> pathlib.Path:  # fmt: skip
+    """``report.md`` (claim, setup, results, verdict, how it compares with the previous run in the same folder,
+    how to reproduce, wall time) and ``results.json`` (the numbers behind it) in the output folder.
+    ``revision``: what this version of the experiment changed from the previous one, and why."""
     held = verdict(checks)
+    previous = since_previous(session.output_dir, held, revision)
     check_rows = [[c.statement, "yes" if c.held else "**no**", c.evidence] for c in checks]
     git = git_commit()
     commit = f"{git['commit'][:12]}{' (with uncommitted changes)' if git['dirty'] else ''}" if git["commit"] else "?"
@@ -389,6 +571,8 @@ def write_report(session: Session, *, title: str, claim: str, setup: str, result
     quick = (
         "\n\n> **--quick run**: a smoke test of the code path; its numbers mean nothing." if session.args.quick else ""
     )
+    parallel = f", {session.args.jobs} training runs at a time" if session.args.jobs > 1 else ""
+    seeds = f"seeds {', '.join(map(str, session.seeds))}"
     text = f"""# {title}{quick}
 
 **Claim.** {claim}
@@ -406,7 +590,7 @@ def write_report(session: Session, *, title: str, claim: str, setup: str, result
 **Verdict: the claim {held} at this scale.**
 
 {markdown_table(["check", "held", "numbers"], check_rows)}
-
+{previous}
 {discussion}
 
 ## Reproduce
@@ -415,7 +599,7 @@ def write_report(session: Session, *, title: str, claim: str, setup: str, result
 {session.command()}
 ```
 
-Wall time {session.elapsed():.0f} s on {session.hardware}; torch {versions["torch"]},
+Wall time {session.elapsed():.0f} s on {session.hardware}{parallel}; {seeds}; torch {versions["torch"]},
 transformers {versions["transformers"]}, decoderlab commit {commit}.
 """
     path = session.output_dir / "report.md"
@@ -425,6 +609,8 @@ transformers {versions["transformers"]}, decoderlab commit {commit}.
         "verdict": held,
         "checks": [dataclasses.asdict(c) for c in checks],
         "settings": dataclasses.asdict(session.settings),
+        "seeds": session.seeds,
+        "commit": git["commit"],
         "wall_time_s": round(session.elapsed(), 1),
         "numbers": numbers,
     }

@@ -2,8 +2,8 @@
 representation subspaces, so several narrow heads do better than one wide head; grouped-query (Ainslie et al.
 2023) and multi-query attention (Shazeer 2019) share keys and values between heads to shrink the KV cache.
 
-    python -m experiments.heads            # about 6 minutes on 2 CPU cores
-    python -m experiments.heads --quick    # smoke test
+    python -m experiments.heads --jobs 2 --threads 1   # about 8 minutes on 2 CPU cores
+    python -m experiments.heads --quick                # smoke test
 
 At a fixed hidden size (so a fixed parameter count), models with 1, 2, 4 and 8 heads are trained on Tiny
 Shakespeare; at 8 query heads, 8 (MHA), 2 (GQA) and 1 (MQA) key/value heads are compared by loss and by the bytes
@@ -20,6 +20,11 @@ import torch
 from . import common
 
 NAME = "heads"
+REVISION = (
+    "This version trains every model with three seeds: one head against several, and GQA/MQA against MHA, count "
+    "only beyond the seed-to-seed spread, and the head-diversity check must hold for every seed's model."
+)
+GQA_MARGIN = 0.05  # nats/char: sharing keys and values "costs little" when the loss rises less than this
 
 
 @dataclass(frozen=True)
@@ -110,14 +115,14 @@ def run(session: common.Session, settings: Settings) -> None:
     def fields(heads: int, kv_heads: int) -> dict:
         return {**base, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
 
-    runs = {}  # (query heads, KV heads) -> Run
-    for heads in settings.head_counts:
-        runs[heads, heads] = common.train_model(session, corpus, f"{heads} heads", fields(heads, heads), recipe)
+    specs = {
+        (heads, heads): common.Spec(f"{heads} heads", fields(heads, heads), recipe) for heads in settings.head_counts
+    }
     for kv_heads in settings.kv_head_counts:
-        if (n_heads, kv_heads) not in runs:
-            runs[n_heads, kv_heads] = common.train_model(
-                session, corpus, f"{n_heads} heads, {kv_heads} KV heads", fields(n_heads, kv_heads), recipe
-            )
+        specs.setdefault(
+            (n_heads, kv_heads), common.Spec(f"{n_heads} heads, {kv_heads} KV heads", fields(n_heads, kv_heads), recipe)
+        )
+    runs = common.train_all(session, corpus, specs)  # (query heads, KV heads) -> Trials, one run per seed
 
     # KV cache bytes, measured, and the formula 2 (k and v) x layers x KV heads x head_dim x tokens x 4 bytes
     head_dim = settings.hidden_size // n_heads
@@ -125,13 +130,20 @@ def run(session: common.Session, settings: Settings) -> None:
     expected = {kv: 2 * settings.num_hidden_layers * kv * head_dim * settings.cache_length * 4 for kv in cache}
     params = {key: run.model.num_parameters() for key, run in runs.items()}
 
-    # how differently the heads attend: trained against the same initial weights
+    # how differently the heads attend: each seed's trained model against its own initial weights
     blocks = corpus.eval_blocks[: settings.diversity_blocks]
-    trained = runs[n_heads, n_heads].model
-    initial = common.fresh_model(corpus, fields(n_heads, n_heads), session.args.seed).eval()
-    weights_trained, weights_initial = attention_weights(trained, blocks), attention_weights(initial, blocks)
-    divergence_trained, divergence_initial = head_divergence(weights_trained), head_divergence(weights_initial)
-    distance = attention_distance(weights_trained)  # (L, nh)
+    seed_divergence_trained, seed_divergence_initial = [], []  # (seeds, L) each
+    for seed, run in zip(session.seeds, runs[n_heads, n_heads].runs):
+        initial = common.fresh_model(corpus, fields(n_heads, n_heads), seed).eval()
+        seed_divergence_trained.append(head_divergence(attention_weights(run.model, blocks)))
+        seed_divergence_initial.append(head_divergence(attention_weights(initial, blocks)))
+    seed_divergence_trained, seed_divergence_initial = (
+        np.array(seed_divergence_trained),
+        np.array(seed_divergence_initial),
+    )
+    divergence_trained, divergence_initial = seed_divergence_trained.mean(0), seed_divergence_initial.mean(0)
+    trained = runs[n_heads, n_heads].model  # the first seed's: its maps are drawn
+    distance = attention_distance(attention_weights(trained, blocks))  # (L, nh)
     session.log("measured caches and head diversity")
 
     # figures: per-head maps of the trained model; losses and cache bytes
@@ -156,17 +168,20 @@ def run(session: common.Session, settings: Settings) -> None:
     fig, axes = common.figure(ncols=3, width=4.4, height=3.6)
     ax = axes[0][0]
     x = range(len(settings.head_counts))  # head counts evenly spaced, labelled below
-    ax.plot(x, [runs[h, h].final_eval_loss for h in settings.head_counts], marker="o")
+    common.plot_mean_and_seeds(ax, x, [runs[h, h] for h in settings.head_counts], color="C0")
     ax.set(xlabel="heads (hidden size fixed)", ylabel="final validation loss (nats/char)",
            title=f"heads at hidden size {settings.hidden_size}")  # fmt: skip
     ax.set_xticks(x, [str(h) for h in settings.head_counts])
     ax = axes[0][1]
     kv_labels = [f"{kv} KV" for kv in settings.kv_head_counts]
-    kv_losses = [runs[n_heads, kv].final_eval_loss for kv in settings.kv_head_counts]
-    ax.bar(kv_labels, kv_losses, color="C1")
-    ax.bar_label(ax.containers[0], fmt="%.3f")
+    kv_trials = [runs[n_heads, kv] for kv in settings.kv_head_counts]
+    kv_losses = [t.mean for t in kv_trials]
+    ax.bar(kv_labels, kv_losses, yerr=[t.std for t in kv_trials], capsize=4, color="C1")
+    ax.bar_label(ax.containers[-1], fmt="%.3f", label_type="center")
+    for i, t in enumerate(kv_trials):  # each seed's loss
+        ax.scatter(np.full(len(t.runs), i), t.losses, s=10, color="black", alpha=0.4, zorder=3)
     ax.set(ylim=(min(kv_losses) - 0.1, max(kv_losses) + 0.05), ylabel="final validation loss (nats/char)",
-           title=f"{n_heads} query heads: MHA / GQA / MQA")  # fmt: skip
+           title=f"{n_heads} query heads: MHA / GQA / MQA (± std over seeds)")  # fmt: skip
     ax = axes[0][2]
     ax.bar(kv_labels, [cache[kv] / 2**10 for kv in settings.kv_head_counts], color="C2")
     ax.bar_label(ax.containers[0], fmt="%.0f KiB")
@@ -175,21 +190,25 @@ def run(session: common.Session, settings: Settings) -> None:
     loss_png = common.save_figure(fig, session, "loss_and_cache.png", "loss by heads, and MHA/GQA/MQA loss and cache")
 
     # the claim's parts, decided from the numbers
-    one = runs[1, 1].final_eval_loss if (1, 1) in runs else float("nan")
-    multi = {h: runs[h, h].final_eval_loss for h in settings.head_counts if h > 1}
-    best = min(multi, key=multi.get) if multi else None
-    mha = runs[n_heads, n_heads].final_eval_loss
+    one = runs.get((1, 1))
+    multi = {h: runs[h, h] for h in settings.head_counts if h > 1}
+    best = min(multi, key=lambda h: multi[h].mean) if multi else None
+    mha = runs[n_heads, n_heads]
+    cost = {kv: runs[n_heads, kv].mean - mha.mean for kv in settings.kv_head_counts}
     checks = [
         common.Check(
-            "several heads reach a lower loss than one head of the same total width",
-            bool(best is not None and multi[best] < one),
-            f"1 head {one:.4f}; " + ", ".join(f"{h} heads {loss:.4f}" for h, loss in multi.items()),
+            "several heads reach a lower loss than one head of the same total width (the best head count, by more "
+            "than the seed-to-seed spread)",
+            bool(best is not None and one is not None and common.lower_beyond_spread(multi[best], one)),
+            f"1 head {one}; "
+            + ", ".join(f"{h} heads {t}" for h, t in multi.items())
+            + (f"; {best} heads vs 1: {common.spread_note(multi[best], one)}" if best and one else ""),
         ),
         common.Check(
             f"after training, the heads of each layer attend differently (mean pairwise Jensen-Shannon divergence "
-            f"at least 5x that of the same model at initialisation, {n_heads} heads)",
-            bool(np.all(divergence_trained >= 5 * divergence_initial)),
-            "per layer, trained vs initial: "
+            f"at least 5x that of the same model at initialisation, {n_heads} heads, every seed)",
+            bool(np.all(seed_divergence_trained >= 5 * seed_divergence_initial)),
+            "per layer, trained vs initial (mean over seeds): "
             + ", ".join(f"{t:.3g} vs {i:.2g}" for t, i in zip(divergence_trained, divergence_initial)),
         ),
         common.Check(
@@ -199,10 +218,15 @@ def run(session: common.Session, settings: Settings) -> None:
             ", ".join(f"{kv} KV heads: {cache[kv] / 2**10:.0f} KiB" for kv in cache),
         ),
         common.Check(
-            "grouped-query and multi-query attention cost little quality (validation loss within 0.05 nats of MHA)",
-            all(runs[n_heads, kv].final_eval_loss - mha < 0.05 for kv in settings.kv_head_counts),
+            f"grouped-query and multi-query attention cost little quality (validation loss within {GQA_MARGIN} nats "
+            "of MHA, or no worse beyond the seed-to-seed spread)",
+            all(
+                cost[kv] < GQA_MARGIN or not common.lower_beyond_spread(mha, runs[n_heads, kv])
+                for kv in settings.kv_head_counts
+            ),
             ", ".join(
-                f"{kv} KV heads {runs[n_heads, kv].final_eval_loss - mha:+.4f}" for kv in settings.kv_head_counts
+                f"{kv} KV heads {cost[kv]:+.4f} ({common.spread_note(mha, runs[n_heads, kv])})"
+                for kv in settings.kv_head_counts
             ),
         ),
     ]
@@ -211,9 +235,9 @@ def run(session: common.Session, settings: Settings) -> None:
         ["query heads", "KV heads", "head_dim", "parameters", "final validation loss", "KV cache (KiB)",
          "train time (s)"],
         [
-            [h, kv, settings.hidden_size // h, f"{params[h, kv]:,}", run.final_eval_loss,
-             f"{cache[kv] / 2**10:.0f}" if h == n_heads and kv in cache else "", round(run.seconds)]
-            for (h, kv), run in runs.items()
+            [h, kv, settings.hidden_size // h, f"{params[h, kv]:,}", str(trials),
+             f"{cache[kv] / 2**10:.0f}" if h == n_heads and kv in cache else "", round(trials.seconds)]
+            for (h, kv), trials in runs.items()
         ],
     )  # fmt: skip
     diversity_table = common.markdown_table(
@@ -236,8 +260,9 @@ differ). After training the mean attention distance per head ranges from {distan
 **Heads versus loss.** At a fixed hidden size every head count has the same parameters; more heads trade width per
 head for more attention patterns per layer. **MHA, GQA and MQA.** Sharing keys and values cuts the cache in
 proportion to the KV heads ({n_heads // min(settings.kv_head_counts)}x fewer bytes with {min(settings.kv_head_counts)}
-KV head(s) than with {n_heads}) and removes parameters from `k_proj` and `v_proj`. All runs use one seed: differences
-of a few hundredths of a nat may not survive another (`--seed`)."""
+KV head(s) than with {n_heads}) and removes parameters from `k_proj` and `v_proj`. Every setting ran with
+{len(session.seeds)} seeds; a loss difference counts only when the gap between the means exceeds the sum of the two
+seed-to-seed standard deviations."""
     common.write_report(
         session,
         title="Multiple heads, and MHA vs GQA vs MQA",
@@ -251,12 +276,14 @@ SwiGLU; {", ".join(map(str, settings.head_counts))} heads (head_dim = {settings.
 has the same attention parameters), and at {n_heads} query heads {", ".join(map(str, settings.kv_head_counts))} key/value
 heads. Each is trained on character-level Tiny Shakespeare in blocks of {settings.block_size} for {settings.steps}
 steps of batch {settings.batch_size}, AdamW at peak learning rate {settings.learning_rate} with
-{recipe.warmup_steps} warm-up steps and cosine decay, clipping at 1.0, from the same seed; validation loss on
+{recipe.warmup_steps} warm-up steps and cosine decay, clipping at 1.0, each with {len(session.seeds)} seeds (weights
+and data order; losses are mean ± standard deviation over them); validation loss on
 {len(corpus.eval_blocks)} validation blocks. *KV cache*: the bytes of the key and value tensors held by the
 `DynamicCache` after one forward pass over {settings.cache_length} tokens (float32, batch 1). *Head diversity*: the
 mean Jensen-Shannon divergence between the attention distributions of every pair of heads of a layer, over
-{len(blocks)} validation blocks, for the trained {n_heads}-head model and for the same model at initialisation;
-attention weights are read from the model's own attention call.""",
+{len(blocks)} validation blocks, for each seed's trained {n_heads}-head model and for the same model at
+initialisation; attention weights are read from the model's own attention call; maps and distances show the first
+seed's model.""",
         results=f"""{loss_png}
 
 {runs_table}
@@ -266,9 +293,10 @@ attention weights are read from the model's own attention call.""",
 {diversity_table}""",
         checks=checks,
         discussion=discussion,
+        revision=REVISION,
         numbers={
-            "runs": {f"{h} heads, {kv} kv": {"final_eval_loss": r.final_eval_loss, "parameters": params[h, kv],
-                     "eval_curve": r.eval_curve, "seconds": r.seconds} for (h, kv), r in runs.items()},
+            "runs": {f"{h} heads, {kv} kv": {"final_eval_losses": t.losses.tolist(), "mean": t.mean, "std": t.std,
+                     "parameters": params[h, kv], "seconds": t.seconds} for (h, kv), t in runs.items()},
             "kv_cache_bytes": cache, "js_divergence_trained": divergence_trained.tolist(),
             "js_divergence_initial": divergence_initial.tolist(), "attention_distance": distance.tolist(),
         },

@@ -1,24 +1,35 @@
 """Claim 2, RoPE encodes relative position (Su et al. 2021): rotated query-key scores depend only on the offset
 between the query and the key, not on where the pair sits; absolute encodings (learned, sinusoidal) do not.
 
-    python -m experiments.rope_relative            # about 10 minutes on 2 CPU cores
-    python -m experiments.rope_relative --quick    # smoke test
+    python -m experiments.rope_relative --jobs 2 --threads 1   # about 10 minutes on 2 CPU cores
+    python -m experiments.rope_relative --quick                # smoke test
 
 One model per ``position_embedding_type`` (rope, sinusoidal, learned, none) is trained on Tiny Shakespeare
-at a short length. Then (a) the first layer's scores q·k for a sequence of one repeated character, read from
+at a short length, once per seed; the absolute encodings get token embeddings of the original Transformer's scale
+(std 1/sqrt(d) multiplied by sqrt(d)), so position and content enter at comparable sizes. Then (a) the first layer's scores q·k for a sequence of one repeated character, read from
 the model's own attention call, as a map over (query position, key position); (b) the same text placed at
 two different absolute positions; (c) the loss at every position of sequences longer than the training length.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from . import common
 
 NAME = "rope_relative"
 POSITION_TYPES = ("rope", "sinusoidal", "learned", "none")
+ABSOLUTE = ("sinusoidal", "learned")  # added to the token embeddings at the bottom of the model
+REVISION = (
+    "This version multiplies the absolute encodings' token embeddings by sqrt(d) as the original Transformer does "
+    "(before, the sinusoidal model's position signal started about 35 times larger than its content), trains 500 "
+    "steps instead of 800 to fit three seeds in the same time, and counts the length check only beyond the "
+    "seed-to-seed spread."
+)
+SINUSOID_RMS = 0.5**0.5  # every entry of the sinusoidal table is a sin or cos of the position
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,7 @@ class Settings:
     eval_length: int = 512  # evaluation length; also max_position_embeddings of every model
     eval_sequences: int = 48  # validation sequences of eval_length
     batch_size: int = 16
-    steps: int = 800
+    steps: int = 500
     learning_rate: float = 1e-3
     eval_blocks: int = 256
     map_length: int = 64  # size of the score map
@@ -67,6 +78,21 @@ def diagonal_spread(scores: torch.Tensor) -> float:
     return float(np.mean(per_offset)) / spread
 
 
+def vaswani_embeddings(model) -> None:
+    """Embeddings at the original Transformer's scale (Vaswani et al. 2017, section 3.4): token embeddings of std
+    1/sqrt(d), which ``embedding_multiplier`` sqrt(d) brings to unit scale; a learned position table is drawn at the
+    sinusoidal table's root mean square, so both absolute encodings add a position signal of the same size."""
+    nn.init.normal_(model.model.embed_tokens.weight, std=model.config.hidden_size**-0.5)
+    if model.config.position_embedding_type == "learned":
+        nn.init.normal_(model.model.embed_positions.weight, std=SINUSOID_RMS)
+
+
+def position_fields(kind: str, hidden_size: int) -> dict:
+    """The fields that select ``kind``; absolute encodings with the original Transformer's embedding scale."""
+    scale = {"embedding_multiplier": math.sqrt(hidden_size)} if kind in ABSOLUTE else {}
+    return {"position_embedding_type": kind, **scale}
+
+
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
     return np.convolve(values, np.ones(window) / window, mode="valid")
 
@@ -94,10 +120,14 @@ def run(session: common.Session, settings: Settings) -> None:
         # never trained (learned) or never seen in training (sinusoidal)
         max_position_embeddings=settings.eval_length,
     )  # fmt: skip
-    runs = {
-        kind: common.train_model(session, corpus, kind, {**model_fields, "position_embedding_type": kind}, recipe)
+    specs = {
+        kind: common.Spec(
+            kind, {**model_fields, **position_fields(kind, settings.hidden_size)}, recipe,
+            vaswani_embeddings if kind in ABSOLUTE else None,
+        )
         for kind in POSITION_TYPES
-    }
+    }  # fmt: skip
+    runs = common.train_all(session, corpus, specs)  # kind -> Trials; maps and shifts read the first seed's model
 
     # (a) score maps for fixed content: one character repeated, the most frequent one in the validation text
     char_id = int(torch.bincount(corpus.eval_blocks.flatten().long()).argmax())
@@ -116,13 +146,20 @@ def run(session: common.Session, settings: Settings) -> None:
         causal = torch.ones(settings.map_length, settings.map_length, dtype=torch.bool).tril()
         shift_change[kind] = ((shifted - at_start)[:, causal].abs().max() / at_start[:, causal].abs().max()).item()
 
-    # (c) loss at every position of sequences longer than the training length
-    position_loss = {kind: common.token_losses(run.model, long_blocks).mean(0).numpy() for kind, run in runs.items()}
+    # (c) loss at every position of sequences longer than the training length, every seed's model
+    seed_position_loss = {
+        kind: np.array([common.token_losses(run.model, long_blocks).mean(0).numpy() for run in trials.runs])
+        for kind, trials in runs.items()
+    }  # kind -> (seeds, eval_length - 1)
+    position_loss = {kind: losses.mean(0) for kind, losses in seed_position_loss.items()}
     session.log("measured score maps, shifts and long-sequence losses")
     T = settings.block_size
     inside = slice(T // 2 - 1, T - 1)  # predictions of positions T/2 .. T-1: well inside the training length
     beyond = slice(T - 1, None)  # predictions of positions T .. eval_length-1: never trained on
-    rise = {kind: float(loss[beyond].mean() - loss[inside].mean()) for kind, loss in position_loss.items()}
+    seed_rise = {
+        kind: losses[:, beyond].mean(1) - losses[:, inside].mean(1) for kind, losses in seed_position_loss.items()
+    }  # kind -> (seeds,)
+    rise = {kind: float(values.mean()) for kind, values in seed_rise.items()}
 
     fig, axes = common.figure(ncols=len(POSITION_TYPES), nrows=2, width=3.6, height=3.4)
     causal = torch.ones(settings.map_length, settings.map_length, dtype=torch.bool).tril()
@@ -147,8 +184,11 @@ def run(session: common.Session, settings: Settings) -> None:
     fig, axes = common.figure(ncols=1, width=7.5, height=4.2)
     ax = axes[0][0]
     window = max(1, min(16, settings.eval_length // 16))
-    for kind, loss in position_loss.items():
-        ax.plot(np.arange(len(smooth(loss, window))) + 1 + window // 2, smooth(loss, window), label=kind)
+    for i, (kind, losses) in enumerate(seed_position_loss.items()):
+        x = np.arange(len(smooth(losses[0], window))) + 1 + window // 2
+        for loss in losses:  # one faint line per seed, the mean on top
+            ax.plot(x, smooth(loss, window), color=f"C{i}", alpha=0.25, lw=0.8)
+        ax.plot(x, smooth(losses.mean(0), window), color=f"C{i}", label=f"{kind} (mean of {len(losses)} seeds)")
     ax.axvline(T, color="gray", ls=":", label=f"training length {T}")
     ax.set(xlabel="position of the predicted character", ylabel=f"loss (nats/char, mean of {window})",
            title=f"loss by position on {len(long_blocks)} validation sequences of {settings.eval_length}")  # fmt: skip
@@ -176,9 +216,12 @@ def run(session: common.Session, settings: Settings) -> None:
             ", ".join(f"{kind} {shift_change[kind]:.2g}" for kind in POSITION_TYPES),
         ),
         common.Check(
-            f"beyond the training length ({T}), RoPE's loss rises less than learned and sinusoidal positions'",
-            bool(rise["rope"] < min(rise["learned"], rise["sinusoidal"])),
-            ", ".join(f"{kind} {rise[kind]:+.3f}" for kind in POSITION_TYPES),
+            f"beyond the training length ({T}), RoPE's loss rises less than learned and sinusoidal positions' "
+            "(by more than the seed-to-seed spread)",
+            all(common.lower_beyond_spread(seed_rise["rope"], seed_rise[kind]) for kind in ABSOLUTE),
+            ", ".join(f"{kind} {common.mean_pm(seed_rise[kind])}" for kind in POSITION_TYPES)
+            + "; rope vs "
+            + ", ".join(f"{kind}: {common.spread_note(seed_rise['rope'], seed_rise[kind])}" for kind in ABSOLUTE),
         ),
     ]
     bands = [(0, T // 2), (T // 2, T), (T, 2 * T), (2 * T, 4 * T), (4 * T, settings.eval_length)]
@@ -191,21 +234,20 @@ def run(session: common.Session, settings: Settings) -> None:
             [f"{a}-{b - 1}", "yes" if b <= T else "no", *(band_loss(kind, (a, b)) for kind in POSITION_TYPES)]
             for a, b in bands
         ]
-        + [["rise: beyond minus inside", "", *(rise[kind] for kind in POSITION_TYPES)]],
+        + [["rise: beyond minus inside", "", *(common.mean_pm(seed_rise[kind]) for kind in POSITION_TYPES)]],
     )  # fmt: skip
     structure_table = common.markdown_table(
         ["positions", "diagonal spread (fixed content)", f"score change when shifted by {settings.shift}",
          f"validation loss at {T}", "train time (s)"],
         [
             [kind, "n/a (all scores equal)" if np.isnan(spreads[kind]) else spreads[kind], shift_change[kind],
-             runs[kind].final_eval_loss, round(runs[kind].seconds)]
+             str(runs[kind]), round(runs[kind].seconds)]
             for kind in POSITION_TYPES
         ],
     )  # fmt: skip
     best_beyond = min(POSITION_TYPES, key=lambda kind: rise[kind])
     near, far = next(band for band in bands if band[0] >= T), bands[-1]
     at = lambda band: ", ".join(f"{kind} {band_loss(kind, band):.3f}" for kind in POSITION_TYPES)
-    sinusoid_rms = 0.5**0.5  # every entry of the table is a sin or cos of the position: root mean square 1/sqrt(2)
     if best_beyond == "rope":
         extrapolation = "Here RoPE degraded least beyond the training length."
     else:
@@ -213,12 +255,7 @@ def run(session: common.Session, settings: Settings) -> None:
             "Encoding relative position did not by itself make the model extrapolate best: that is why long-context "
             "models rescale RoPE (`rope_parameters` with `linear`, `dynamic`, `yarn`, ...)."
         )
-    weakest = max(POSITION_TYPES, key=lambda kind: runs[kind].final_eval_loss)
-    sinusoidal_rank = (
-        "this is likely why it is the weakest model here."
-        if weakest == "sinusoidal"
-        else f"it nonetheless trained at least as well as {weakest}."
-    )
+    weakest = max(POSITION_TYPES, key=lambda kind: runs[kind].mean)
     discussion = f"""**Why the maps look as they do.** With RoPE, layer 0 sees the same content vector at every position and
 rotates its query by the angle of position m and its key by that of n, so q·k depends on n - m alone: every
 diagonal of the map is one value (the spread left is float32 rounding). Learned and sinusoidal positions add a
@@ -236,12 +273,13 @@ smallest rise beyond the training length was {best_beyond}'s ({rise[best_beyond]
 {near[0]}-{near[1] - 1}) the losses are {at(near)}; in the last band ({far[0]}-{far[1] - 1}) they are {at(far)}.
 {extrapolation}
 
-**Inside the training length** the validation losses are
-{", ".join(f"{kind} {runs[kind].final_eval_loss:.3f}" for kind in POSITION_TYPES)}. decoderlab adds the sinusoidal
-table (entries of root mean square {sinusoid_rms:.2f}) to token embeddings initialised with std
-{runs["sinusoidal"].model.config.initializer_range} and, unlike Vaswani et al., does not multiply the embeddings by
-sqrt(hidden_size), so at the start the position signal of that model is far larger than its content signal;
-{sinusoidal_rank}"""
+**Inside the training length** the validation losses (mean ± standard deviation over {len(session.seeds)} seeds) are
+{", ".join(f"{kind} {runs[kind]}" for kind in POSITION_TYPES)}; the weakest is {weakest}. As in Vaswani et al., the
+absolute encodings' token embeddings start at unit scale (std 1/sqrt(d) times `embedding_multiplier` sqrt(d) =
+{math.sqrt(settings.hidden_size):.3g}) and the position signal they are added to has root mean square
+{SINUSOID_RMS:.2f} (the sinusoidal table, and the learned table as initialised here), so neither signal swamps the
+other at the start; RoPE and NoPE keep decoderlab's embeddings (std {runs["rope"].model.config.initializer_range}),
+which RoPE's rotation and the first norm do not mix with any position vector."""
     common.write_report(
         session,
         title="RoPE encodes relative position",
@@ -253,7 +291,10 @@ sqrt(hidden_size), so at the start the position signal of that model is far larg
         ),
         setup=f"""Four models, identical except `position_embedding_type` (rope, sinusoidal, learned, none):
 {settings.num_hidden_layers} layers, hidden size {settings.hidden_size}, {settings.num_attention_heads} heads,
-pre-RMSNorm, SwiGLU, `max_position_embeddings={settings.eval_length}`. Each is trained on character-level Tiny
+pre-RMSNorm, SwiGLU, `max_position_embeddings={settings.eval_length}`; the sinusoidal and learned models multiply
+their token embeddings (std 1/sqrt(d)) by sqrt(d), as the original Transformer does, and the learned table starts at
+the sinusoidal table's root mean square {SINUSOID_RMS:.2f}. Every model is trained with {len(session.seeds)} seeds
+(weights and data order); (a) and (b) read the first seed's model, (c) every seed's. Each is trained on character-level Tiny
 Shakespeare in blocks of {T} characters (the training length) for {settings.steps} steps of batch
 {settings.batch_size}, AdamW at peak learning rate {settings.learning_rate}, {recipe.warmup_steps} warm-up steps,
 cosine decay, clipping at 1.0.
@@ -277,11 +318,13 @@ Mean loss (nats/char) by position band:
 {length_table}""",
         checks=checks,
         discussion=discussion,
+        revision=REVISION,
         numbers={
             "char": char, "diagonal_spread": spreads, "shift_change": shift_change, "rise_beyond": rise,
             "position_loss": {kind: loss.round(4).tolist() for kind, loss in position_loss.items()},
-            "runs": {kind: {"eval_curve": r.eval_curve, "train_curve": r.train_curve, "seconds": r.seconds}
-                     for kind, r in runs.items()},
+            "rise_beyond_per_seed": {kind: values.tolist() for kind, values in seed_rise.items()},
+            "runs": {kind: {"final_eval_losses": t.losses.tolist(), "eval_curves": [r.eval_curve for r in t.runs],
+                     "seconds": t.seconds} for kind, t in runs.items()},
         },
     )  # fmt: skip
     session.log(f"wrote {session.output_dir / 'report.md'}")

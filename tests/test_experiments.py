@@ -8,12 +8,14 @@ the cache's shape arithmetic.
 """
 
 import json
+import math
 import re
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import decoderlab
 from experiments import attention_scale, common, heads, norm_placement, rope_relative
 
 EXPERIMENTS = {
@@ -121,3 +123,98 @@ def test_head_divergence_is_zero_for_identical_heads_and_positive_otherwise():
     assert heads.head_divergence(weights) == pytest.approx([0.0], abs=1e-9)
     weights[:, :, 0] = torch.eye(6)
     assert heads.head_divergence(weights)[0] > 0.05
+
+
+def _trials(losses) -> common.Trials:
+    runs = [
+        common.Run(f"seed {i}", None, [(1, 9.9)], [(1, loss)], None if loss == loss else 1, 0.0)
+        for i, loss in enumerate(losses)
+    ]
+    return common.Trials("setting", list(range(len(losses))), runs)
+
+
+def test_trials_report_mean_and_sample_spread_over_seeds():
+    """A setting's seeds give mean ± sample standard deviation (n - 1), and a diverged seed makes the mean NaN and
+    is named in the summary rather than averaged away."""
+    trials = _trials([1.0, 1.2, 1.4])
+    assert trials.mean == pytest.approx(1.2) and trials.std == pytest.approx(0.2)
+    assert str(trials) == "1.200 ± 0.200"
+    assert _trials([1.5]).std == 0.0 and str(_trials([1.5])) == "1.500"
+    diverged = _trials([1.0, float("nan"), 1.1])
+    assert math.isnan(diverged.mean) and str(diverged) == "NaN (1 of 3 diverged)"
+
+
+def test_a_difference_counts_only_beyond_the_seed_spread():
+    """lower_beyond_spread: the gap between two means must exceed the sum of their standard deviations; a gap inside
+    the spread does not count, however the means are ordered; per-seed measurements work like Trials."""
+    low, high = _trials([1.0, 1.1, 1.2]), _trials([1.5, 1.6, 1.7])  # stds 0.1 each, gap 0.5
+    assert common.lower_beyond_spread(low, high) and not common.lower_beyond_spread(high, low)
+    noisy = _trials([1.0, 1.6, 2.2])  # mean 1.6, std 0.6: gap 0.5 < 0.1 + 0.6
+    assert not common.lower_beyond_spread(low, noisy)
+    assert common.lower_beyond_spread([0.1, 0.2], [0.5, 0.6]) and not common.lower_beyond_spread([0.1, 0.5], [0.4, 0.6])
+    assert common.spread_note(low, high) == "gap +0.500 vs spread 0.200"
+
+
+def test_every_setting_runs_three_seeds_by_default_and_one_in_quick_mode(tmp_path):
+    """The default is 3 seeds (--seed, --seed + 1, ...), --quick runs 1, --seeds N any other count; 0 is refused."""
+
+    def seeds(*argv):
+        options, settings = common.parse_args("heads", "", heads.Settings(), heads.QUICK, list(argv))
+        return common.start_session("heads", options, settings, list(argv), tmp_path).seeds
+
+    assert seeds("--output_dir", str(tmp_path)) == [0, 1, 2]
+    assert seeds("--quick", "--output_dir", str(tmp_path)) == [0]
+    assert seeds("--seeds", "2", "--seed", "5", "--output_dir", str(tmp_path)) == [5, 6]
+    with pytest.raises(ValueError, match="--seeds must be at least 1, got 0"):
+        seeds("--seeds", "0")
+    with pytest.raises(ValueError, match="--jobs must be at least 1, got 0"):
+        seeds("--jobs", "0")
+
+
+@pytest.mark.slow
+def test_parallel_runs_give_the_numbers_of_one_process(tmp_path):
+    """--jobs 2 trains the same models as --jobs 1 (each run is seeded by itself, and both use one thread), so
+    the committed results do not depend on how many runs went at once."""
+    results = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        argv = ["--quick", "--seeds", "2", "--threads", "1", "--jobs", str(jobs), "--output_dir", str(out)]
+        attention_scale.main(argv)
+        training = json.loads((out / "results.json").read_text())["numbers"]["training"]
+        results[jobs] = {label: run["final_eval_losses"] for label, run in training.items()}
+    assert results[1] == results[2]
+    assert all(len(losses) == 2 and losses[0] != losses[1] for losses in results[1].values())  # seeds differ
+
+
+def test_a_rerun_says_how_its_verdict_compares_with_the_previous_one(tmp_path):
+    """A report written over an earlier run's results.json states that run's verdict and seeds, and what this version
+    of the experiment changed; a first run has no such line."""
+    argv = ["--quick", "--output_dir", str(tmp_path), "--threads", str(torch.get_num_threads())]
+    attention_scale.main(argv)
+    assert "Since the previous run" not in (tmp_path / "report.md").read_text(encoding="utf-8")
+    previous = json.loads((tmp_path / "results.json").read_text())["verdict"]
+    attention_scale.main(argv)
+    report = (tmp_path / "report.md").read_text(encoding="utf-8")
+    line = next(line for line in report.splitlines() if line.startswith("**Since the previous run**"))
+    assert "(1 seed, commit " in line and f"the claim {previous}," in line
+    assert attention_scale.REVISION in line
+
+
+def test_xavier_init_is_the_papers_and_keeps_tied_embeddings_at_unit_scale(tmp_path):
+    """norm_placement's paper set-up: projections Xavier-uniform (inside ±sqrt(6 / (fan_in + fan_out)), with the
+    matching variance), biases 0, token embeddings N(0, 1/d), which the vaswani multiplier sqrt(d) brings to unit
+    scale; the tied output projection stays the embedding matrix."""
+    settings = norm_placement.Settings(hidden_size=64, num_attention_heads=2)
+    fields = {**norm_placement.model_fields(settings, "post", 2), "vocab_size": 512, "max_position_embeddings": 64}
+    model = AutoModelForCausalLM.from_config(decoderlab.DecoderLabConfig(**fields))
+    norm_placement.xavier_init(model)
+    up = model.model.layers[0].mlp.up_proj
+    fan_out, fan_in = up.weight.shape
+    bound = math.sqrt(6 / (fan_in + fan_out))
+    assert up.weight.abs().max() <= bound and up.weight.var().item() == pytest.approx(bound**2 / 3, rel=0.05)
+    assert torch.count_nonzero(up.bias) == 0
+    embeddings = model.get_input_embeddings()
+    assert model.lm_head.weight is embeddings.weight
+    assert embeddings.weight.std().item() == pytest.approx(64**-0.5, rel=0.05)
+    scaled = embeddings(torch.arange(512)[None])
+    assert scaled.std().item() == pytest.approx(1.0, rel=0.05)
