@@ -245,12 +245,6 @@ class DecoderLabSinusoidalPositionalEmbedding(DecoderLabAbsolutePositionalEmbedd
         return F.embedding(position_ids, self.table)  # (B, T, C)
 
 
-def padding_mask(attention_mask) -> torch.Tensor | None:
-    """The (B, past + T) 0/1 padding mask among the forms ``attention_mask`` takes (None, a 2-D mask, a
-    ready-made 4-D mask or a backend's own object), or None when it is not one."""
-    return attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
-
-
 def positions_after_padding(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
     """(B, length) position of each of the last ``length`` tokens among its row's real tokens: 0 at the first
     unpadded token, so left padding does not shift the positions; padding itself gets 0 (it is masked anyway)."""
@@ -682,13 +676,19 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         # are consecutive, so create_causal_mask is spared its search for packing (and its device sync)
         given_position_ids = position_ids
         if position_ids is None:
-            past_seen, T = cache.get_seq_length() if cache is not None else 0, inputs_embeds.shape[1]
-            position_ids = torch.arange(T, device=inputs_embeds.device)[None] + past_seen
-            mask = padding_mask(attention_mask)
-            if self.embed_positions is not None and mask is not None and mask.shape[-1] == past_seen + T:
+            past_seen = cache.get_seq_length() if cache is not None else 0
+            T = inputs_embeds.shape[1]
+            # a (B, past + T) padding mask, not a ready-made 4-D mask or a backend's own mask object
+            padding = isinstance(attention_mask, torch.Tensor) and attention_mask.shape == (
+                len(inputs_embeds),
+                past_seen + T,
+            )
+            if self.embed_positions is not None and padding:
                 # Absolute positions are added to the tokens, so a left-padded row numbers its own tokens from 0
                 # (as generate() does); trainers that score padded batches pass no position_ids (TRL's GRPO)
-                position_ids = positions_after_padding(mask, T)
+                position_ids = positions_after_padding(attention_mask, T)
+            else:
+                position_ids = torch.arange(T, device=inputs_embeds.device)[None] + past_seen
 
         # None when SDPA's own causal path suffices (no padding): no mask is materialised then
         causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, given_position_ids)
