@@ -264,12 +264,12 @@ def evaluate(
     was_training = model.training
     model.eval()
     rows = blocks if isinstance(blocks, dict) else {"input_ids": blocks}
-    rows = {name: column[:max_samples] for name, column in rows.items()}
+    all_rows = {name: column[:max_samples] for name, column in rows.items()}
     mine = slice(accelerator.process_index, None, accelerator.num_processes)
-    rows, all_rows = {name: column[mine] for name, column in rows.items()}, rows
-    n_batches = math.ceil(len(rows["input_ids"]) / batch_size)
-    if is_sharded(model):
-        n_batches = math.ceil(math.ceil(len(all_rows["input_ids"]) / accelerator.num_processes) / batch_size)
+    rows = {name: column[mine] for name, column in all_rows.items()}
+    # a sharded model: every process runs as many batches as the first, which has the most blocks
+    n_rows = math.ceil(len(all_rows["input_ids"]) / accelerator.num_processes) if is_sharded(model) else None
+    n_batches = math.ceil((n_rows or len(rows["input_ids"])) / batch_size)
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (sum of losses, predicted tokens)
     for start in range(0, n_batches * batch_size, batch_size):
         weight = 1.0
