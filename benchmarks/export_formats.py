@@ -24,6 +24,7 @@ import torch
 from executorch.runtime import Runtime
 from transformers.cache_utils import StaticCache
 
+from benchmarks.common import machine_line
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.export import export_executorch, export_onnx
 
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--output", type=pathlib.Path, default=REPO_ROOT / "benchmarks/results/export_formats.json")
     args = parser.parse_args(argv)
+    machine = machine_line(torch.get_num_threads())
+    print(machine, flush=True)
     torch.manual_seed(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +124,12 @@ def main(argv: list[str] | None = None) -> None:
             randomize(DecoderLabForCausalLM(DecoderLabConfig(**SHAPES[name]))).save_pretrained(checkpoint)
             rows.append(measure(f"{name} (random weights)", checkpoint, folder))
     packages = ["torch", "transformers", "onnx", "onnxruntime", "onnxscript", "executorch"]
-    result = {"versions": {p: version(p) for p in packages}, "threads": torch.get_num_threads(), "rows": rows}
+    result = {
+        "machine": machine,
+        "versions": {p: version(p) for p in packages},
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.output}")
 
