@@ -542,11 +542,16 @@ def verdict(checks: list[Check]) -> str:
 
 def since_previous(output_dir: pathlib.Path, held: str, revision: str) -> str:
     """One line comparing this verdict with the one the output folder's results.json held before this run (none
-    there: an empty string), with ``revision``, what this version of the experiment changed and why."""
+    there: an empty string), with ``revision``, what this version of the experiment changed and why. A re-run of
+    the same version to the same verdict (the previous results.json has the same ``revision`` and verdict) keeps
+    that run's line: the comparison that matters is with the version before, not with an identical run."""
     path = output_dir / "results.json"
     if not path.is_file():
         return ""
     previous = json.loads(path.read_text())
+    same_version = revision and previous.get("revision") == revision and previous.get("verdict") == held
+    if same_version and previous.get("since_previous"):
+        return previous["since_previous"]
     seeds = len(previous.get("seeds", [previous.get("settings", {}).get("seed", 0)]))
     where = f", commit {previous['commit'][:12]}" if previous.get("commit") else ""
     held_before = sum(c["held"] for c in previous.get("checks", []))
@@ -565,7 +570,7 @@ def write_report(session: Session, *, title: str, claim: str, setup: str, result
     held = verdict(checks)
     previous = since_previous(session.output_dir, held, revision)
     check_rows = [[c.statement, "yes" if c.held else "**no**", c.evidence] for c in checks]
-    git = git_commit()
+    git = git_commit(ignore=("experiments/results",))  # what earlier experiments wrote is not code
     commit = f"{git['commit'][:12]}{' (with uncommitted changes)' if git['dirty'] else ''}" if git["commit"] else "?"
     versions = package_versions()
     quick = (
@@ -612,6 +617,8 @@ transformers {versions["transformers"]}, decoderlab commit {commit}.
         "seeds": session.seeds,
         "commit": git["commit"],
         "wall_time_s": round(session.elapsed(), 1),
+        "revision": revision,
+        "since_previous": previous,
         "numbers": numbers,
     }
     (session.output_dir / "results.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")

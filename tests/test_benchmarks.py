@@ -149,3 +149,20 @@ def test_shakespeare_char_reports_both_wall_times_the_cpu_and_the_ratios(tmp_pat
     )
     assert result["ratio_loop"] == pytest.approx(result["ours"]["loop_s"] / result["nanogpt"]["loop_s"], rel=1e-2)
     assert result["wins"] is False  # 20 steps reach nowhere near 1.65
+
+
+@pytest.mark.slow
+def test_eval_batch_times_every_batch_size_against_the_recipes(tmp_path):
+    """``python -m benchmarks.eval_batch``: one rate per batch size, the recipe's own among them at 1.00x, the CPU
+    named; a block count that some batch size does not divide is refused by name."""
+    out = tmp_path / "eval_batch.json"
+    stdout = run_module("benchmarks.eval_batch", "--batch_sizes", "16", "--blocks", "32", "--repeats", "1",
+                        "--threads", "1", "--json_out", str(out))  # fmt: skip
+    assert stdout.startswith("CPU: ")
+    result = json.loads(out.read_text())
+    chosen = str(result["recipe_batch_size"])
+    assert set(result["tokens_per_s"]) == {"16", chosen} and all(v > 0 for v in result["tokens_per_s"].values())
+    assert any(line.split()[:1] == [chosen] and line.endswith("1.00x") for line in stdout.splitlines())
+    failed = subprocess.run([sys.executable, "-m", "benchmarks.eval_batch", "--batch_sizes", "24", "--blocks", "32"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert failed.returncode != 0 and "must be a multiple of every batch size" in failed.stderr

@@ -10,6 +10,7 @@ the cache's shape arithmetic.
 import json
 import math
 import re
+import subprocess
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ def test_parallel_runs_give_the_numbers_of_one_process(tmp_path):
 
 def test_a_rerun_says_how_its_verdict_compares_with_the_previous_one(tmp_path):
     """A report written over an earlier run's results.json states that run's verdict and seeds, and what this version
-    of the experiment changed; a first run has no such line."""
+    of the experiment changed; a first run has no such line, and a re-run of the same version keeps the line."""
     argv = ["--quick", "--output_dir", str(tmp_path), "--threads", str(torch.get_num_threads())]
     attention_scale.main(argv)
     assert "Since the previous run" not in (tmp_path / "report.md").read_text(encoding="utf-8")
@@ -198,6 +199,14 @@ def test_a_rerun_says_how_its_verdict_compares_with_the_previous_one(tmp_path):
     line = next(line for line in report.splitlines() if line.startswith("**Since the previous run**"))
     assert "(1 seed, commit " in line and f"the claim {previous}," in line
     assert attention_scale.REVISION in line
+    # A third run of the same version to the same verdict keeps that line (the comparison with the version before),
+    # instead of comparing with the identical second run, whose commit is marked here to tell the two apart
+    results = json.loads((tmp_path / "results.json").read_text())
+    (tmp_path / "results.json").write_text(json.dumps({**results, "commit": "f" * 40}))
+    attention_scale.main(argv)
+    report = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert next(line for line in report.splitlines() if line.startswith("**Since the previous run**")) == line
+    assert "ffffffffffff" not in report.split("## Reproduce")[0]
 
 
 def test_xavier_init_is_the_papers_and_keeps_tied_embeddings_at_unit_scale(tmp_path):
@@ -218,3 +227,25 @@ def test_xavier_init_is_the_papers_and_keeps_tied_embeddings_at_unit_scale(tmp_p
     assert embeddings.weight.std().item() == pytest.approx(64**-0.5, rel=0.05)
     scaled = embeddings(torch.arange(512)[None])
     assert scaled.std().item() == pytest.approx(1.0, rel=0.05)
+
+
+def test_results_of_earlier_experiments_do_not_mark_the_code_as_changed(tmp_path, monkeypatch):
+    """Experiments run one after another write results into the checkout; the next report's commit must not be
+    marked "with uncommitted changes" for that, but still is for a changed source file."""
+    from training import checkpointing
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    (tmp_path / "experiments" / "results" / "report.md").write_text("old\n")
+    (tmp_path / "model.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
+    monkeypatch.setattr(checkpointing, "REPO_ROOT", tmp_path)
+    (tmp_path / "experiments" / "results" / "report.md").write_text("new\n")
+    assert checkpointing.git_commit()["dirty"] is True
+    assert checkpointing.git_commit(ignore=("experiments/results",))["dirty"] is False
+    (tmp_path / "model.py").write_text("x = 2\n")
+    assert checkpointing.git_commit(ignore=("experiments/results",))["dirty"] is True

@@ -180,8 +180,9 @@ def load_checkpoint(accelerator: Accelerator, path, sharded: tuple | None = None
 # The final folder
 
 
-def git_commit() -> dict:
-    """The commit of the checkout the code runs from, and whether it had uncommitted changes."""
+def git_commit(ignore: tuple[str, ...] = ()) -> dict:
+    """The commit of the checkout the code runs from, and whether it had uncommitted changes (outside the folders
+    ``ignore`` names, relative to the repository root: e.g. results that earlier runs wrote)."""
 
     def git(*args) -> str | None:
         try:
@@ -191,7 +192,7 @@ def git_commit() -> dict:
         return result.stdout.strip() if result.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", *(f":(exclude){path}" for path in ignore))
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
