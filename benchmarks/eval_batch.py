@@ -16,12 +16,13 @@ import json
 import pathlib
 
 import torch
-import yaml
 
 from benchmarks.common import interleaved_medians, load_average, machine_line
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+from training.args import TrainConfig, parse_config
 
 RECIPE = pathlib.Path(__file__).resolve().parents[1] / "training" / "configs" / "shakespeare_char.yaml"
+VOCAB_SIZE = 66  # the recipe's character vocabulary: the 65 characters of Tiny Shakespeare and <|endoftext|>
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,17 +34,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    recipe = yaml.safe_load(RECIPE.read_text())
-    block_size, chosen = recipe["block_size"], recipe["per_device_eval_batch_size"]
+    recipe = parse_config(TrainConfig, ["--config", str(RECIPE)])  # read as training/pretrain.py reads it
+    block_size, chosen = recipe.block_size, recipe.per_device_eval_batch_size
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")} | {chosen})
     if any(args.blocks % b for b in sizes):
         raise ValueError(f"--blocks {args.blocks} must be a multiple of every batch size {sizes}.")
     print(machine_line(args.threads))
 
     torch.manual_seed(0)
-    config = DecoderLabConfig(vocab_size=66, max_position_embeddings=block_size, **recipe["model"])
+    config = DecoderLabConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=block_size, **recipe.model)
     model = DecoderLabForCausalLM(config).eval()
-    blocks = torch.randint(0, 66, (args.blocks, block_size))
+    blocks = torch.randint(0, VOCAB_SIZE, (args.blocks, block_size))
 
     def evaluate_in_batches(batch_size: int):
         def run() -> None:
