@@ -2,11 +2,18 @@
 
     python -m benchmarks.speed            # everything, 5-7 minutes on 2 cores; JSON to benchmarks/results/
     python -m benchmarks.speed --quick    # nano only, fewer repeats and tokens, about 1 minute
+    python -m benchmarks.speed --runs 3 --benchmarks train decode   # three fresh processes: the ratios' spread
 
 Each comparison builds decoderlab and the reference for the same configuration with the same weights
 (their logits are checked to agree first), feeds them the same inputs, and runs them interleaved
 (A B A B ...) so that a change in machine load hits both; figures are medians over the repeats, and
 every ratio is decoderlab / reference from the same run. fp32 on CPU, ``--threads`` intra-op threads.
+
+On a shared VM a comparison can come out a few percent apart, either way, from one process to the next, although the
+rounds inside one process agree (seen here: 0.95x and 1.12x for the same pair an hour apart). ``--runs N`` therefore
+runs the whole selection in N fresh processes, one after another, and reports per comparison the median of the N
+ratios, their lowest and highest, and a verdict: faster (or slower) only when every run says so, else "within the
+runs' spread".
 
 - train: forward + backward + AdamW (fused, same settings for both) on one batch; tokens/s.
 - memory: peak resident memory a training run adds, each model alone in a fresh process; MB.
@@ -28,6 +35,10 @@ import copy
 import json
 import os
 import platform
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -307,6 +318,78 @@ def format_table(rows: list[dict], header: bool = True) -> str:
     return "\n".join(lines)
 
 
+LOWER_IS_BETTER = {"ms", "MB"}  # units whose ratio below 1.0 is the better figure
+
+
+def verdict(unit: str, ratios: list[float]) -> str:
+    """The verdict "faster" (or "less memory") when every run's ratio is on decoderlab's side of 1.0, the opposite when every
+    run's is on the reference's side, else "within the runs' spread"."""
+    better, worse = ("less memory", "more memory") if unit == "MB" else ("faster", "slower")
+    wins = [ratio < 1.0 if unit in LOWER_IS_BETTER else ratio > 1.0 for ratio in ratios]
+    return better if all(wins) else worse if not any(wins) else "within the runs' spread"
+
+
+def combine_runs(reports: list[dict]) -> dict:
+    """One report from those of several fresh processes: per comparison (benchmark, size, pair), the median of the
+    figures and of the ratios, the ratios' range, the verdict, and every run's ratio; the runs' own reports are
+    kept under "runs"."""
+    rows: dict[tuple, list[dict]] = {}
+    for report in reports:
+        for row in report["results"]:
+            rows.setdefault((row["benchmark"], row["size"], row["pair"]), []).append(row)
+    combined = []
+    for same in rows.values():
+        if len(same) != len(reports):
+            raise RuntimeError(f"{same[0]['benchmark']} ({same[0]['pair']}) ran in only {len(same)} of the runs.")
+        ratios = [row["ratio"] for row in same]
+        combined.append(
+            {
+                **{key: same[0][key] for key in ("benchmark", "size", "reference", "pair", "unit")},
+                "decoderlab": statistics.median(row["decoderlab"] for row in same),
+                "reference_value": statistics.median(row["reference_value"] for row in same),
+                "ratio": statistics.median(ratios),
+                "ratio_range": [min(ratios), max(ratios)],
+                "ratios": ratios,
+                "verdict": verdict(same[0]["unit"], ratios),
+                "load": [min(row["load"][0] for row in same), max(row["load"][1] for row in same)],
+            }
+        )
+    first = reports[0]
+    return {
+        "environment": first["environment"],
+        "sizes": first["sizes"],
+        "repeats": first["repeats"],
+        "processes": len(reports),
+        "results": combined,
+        "runs": reports,
+    }
+
+
+def run_in_fresh_processes(argv: list[str], runs: int, threads: int) -> dict:
+    """``python -m benchmarks.speed ARGV`` in ``runs`` fresh processes, one after another; their reports combined."""
+    reports = []
+    with tempfile.TemporaryDirectory() as folder:
+        for run in range(1, runs + 1):
+            print(f"[{time.strftime('%H:%M:%S')}] process {run} of {runs}", flush=True)
+            part = Path(folder) / f"run{run}.json"
+            command = [sys.executable, "-m", "benchmarks.speed", *argv, "--threads", str(threads), "--json", str(part)]
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            reports.append(json.loads(part.read_text()))
+    return combine_runs(reports)
+
+
+def format_combined(rows: list[dict]) -> str:
+    title = f"{'benchmark':64s} {'size':5s} {'reference [pair]':52s} {'ratio':>6s} {'range':>11s}  verdict"
+    lines = [title, "-" * len(title)]
+    for row in rows:
+        low, high = row["ratio_range"]
+        lines.append(
+            f"{row['benchmark']:64s} {row['size']:5s} {row['reference'] + ' [' + row['pair'] + ']':52.52s} "
+            f"{row['ratio']:6.2f} {low:5.2f}-{high:5.2f}  {row['verdict']}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -317,7 +400,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default 7, quick 3)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="run everything in this many fresh processes and combine them (default 1)"
+    )
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, got {args.runs}.")
+    if args.runs > 1:
+        argv = ["--benchmarks", *args.benchmarks] + (["--sizes", *args.sizes] if args.sizes else [])
+        argv += (["--quick"] if args.quick else []) + (["--repeats", str(args.repeats)] if args.repeats else [])
+        print(machine_line(args.threads), flush=True)
+        report = run_in_fresh_processes(argv, args.runs, args.threads)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print()
+        print(format_combined(report["results"]))
+        print(f"\nwrote {args.json}")
+        return
     sizes = args.sizes or (["nano"] if args.quick else list(SIZES))
     repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)

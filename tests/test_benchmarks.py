@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import shakespeare_char
 from benchmarks.reference_nanogpt import load_char_data
-from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES
+from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES, combine_runs
 from tests.paths import REPO_ROOT
 from tests.training_runs import char_tokenizer_without_special_tokens
 from training.data import train_bpe_tokenizer, train_char_tokenizer
@@ -38,6 +38,58 @@ def test_loss_comparison_accepts_nanogpts_characters_then_special_tokens_only():
     assert not shakespeare_char.same_characters(train_bpe_tokenizer([chars * 20], vocab_size=300), chars)
     extra_character = char_tokenizer_without_special_tokens([chars + "\u00e9"])  # é sorts after every character
     assert not shakespeare_char.same_characters(extra_character, chars)
+
+
+def speed_report(*rows: tuple[str, str, float, float]) -> dict:
+    """A one-process speed report with rows (benchmark, unit, decoderlab, reference)."""
+    results = [
+        {"benchmark": name, "size": "nano", "reference": "Ref", "pair": "ref", "unit": unit, "decoderlab": ours,
+         "reference_value": ref, "ratio": ours / ref, "load": [1.0, 1.5]}
+        for name, unit, ours, ref in rows
+    ]  # fmt: skip
+    return {"environment": {"processor": "test CPU"}, "sizes": {}, "repeats": 3, "results": results}
+
+
+def test_runs_in_fresh_processes_combine_to_the_median_ratio_its_range_and_a_verdict():
+    """--runs N: per comparison the median of the N ratios and their range; "faster" only when every run is, a
+    ratio below 1.0 is the better one for ms and MB, and rows on both sides of 1.0 are within the runs' spread."""
+    runs = [
+        speed_report(("train", "tokens/s", 110, 100), ("decode", "tokens/s", 95, 100), ("prefill", "ms", 9, 10)),
+        speed_report(("train", "tokens/s", 120, 100), ("decode", "tokens/s", 105, 100), ("prefill", "ms", 8, 10)),
+        speed_report(("train", "tokens/s", 105, 100), ("decode", "tokens/s", 99, 100), ("prefill", "ms", 11, 10)),
+    ]
+    combined = combine_runs(runs)
+    train, decode, prefill = combined["results"]
+    assert train["ratio"] == pytest.approx(1.10) and train["ratio_range"] == pytest.approx([1.05, 1.20])
+    assert train["verdict"] == "faster" and train["ratios"] == pytest.approx([1.10, 1.20, 1.05])
+    assert decode["ratio"] == pytest.approx(0.99) and decode["verdict"] == "within the runs' spread"
+    assert prefill["verdict"] == "within the runs' spread"
+    assert combine_runs(runs[:2])["results"][2]["verdict"] == "faster"  # 0.9 and 0.8 of the reference's ms
+    assert combined["processes"] == 3 and combined["runs"] == runs and train["load"] == [1.0, 1.5]
+    slower = combine_runs([speed_report(("decode", "tokens/s", 90, 100))] * 2)["results"][0]
+    assert slower["verdict"] == "slower"
+    with pytest.raises(RuntimeError, match="decode .*ran in only 1 of the runs"):
+        combine_runs([runs[0], speed_report(("train", "tokens/s", 1, 1), ("prefill", "ms", 1, 1))])
+
+
+@pytest.mark.slow
+def test_speed_runs_in_fresh_processes_writes_the_combined_table(tmp_path):
+    """``--runs 2``: two processes, one combined row per comparison with the ratios of both; ``--runs 0`` is
+    refused with a message naming the flag."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "benchmarks.speed", "--runs", "0"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--runs must be at least 1, got 0" in refused.stderr
+    out = tmp_path / "speed.json"
+    stdout = run_module(
+        "benchmarks.speed", "--runs", "2", "--quick", "--repeats", "1", "--benchmarks", "prefill", "--json", str(out)
+    )
+    report = json.loads(out.read_text())
+    assert report["processes"] == 2 and len(report["runs"]) == 2
+    assert {row["pair"] for row in report["results"]} == {"llama", "gpt2"}
+    for row in report["results"]:
+        assert len(row["ratios"]) == 2 and row["ratio_range"][0] <= row["ratio"] <= row["ratio_range"][1]
+    assert "verdict" in stdout and f"wrote {out}" in stdout
 
 
 @pytest.mark.slow

@@ -29,10 +29,11 @@ def test_every_recipe_parses_into_the_dataclass(path):
 
 
 def test_default_recipe_is_nano_size():
-    """shakespeare_char is nanoGPT's CPU size and length, which the quality bar is measured at."""
+    """shakespeare_char is nanoGPT's CPU size and batch, which the quality bar is measured at, in fewer steps
+    than nanoGPT's 2000 (the time bar is nanoGPT's wall time)."""
     cfg = parse_config(TrainConfig, ["--config", str(CONFIGS[0].parent / "shakespeare_char.yaml")])
     assert (cfg.model["num_hidden_layers"], cfg.model["hidden_size"], cfg.model["num_attention_heads"]) == (4, 128, 4)
-    assert (cfg.block_size, cfg.per_device_train_batch_size, cfg.max_train_steps) == (64, 12, 2000)
+    assert (cfg.block_size, cfg.per_device_train_batch_size, cfg.max_train_steps) == (64, 12, 1700)
     assert cfg.tokenizer_type == "char"
 
 

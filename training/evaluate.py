@@ -15,6 +15,11 @@ For benchmark tasks, the same checkpoint runs under EleutherAI's lm-evaluation-h
 README and ``training/lm_eval_tasks/``).
 """
 
+import gc
+
+if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
+    gc.disable()
+
 import json
 import logging
 import pathlib
@@ -146,4 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    gc.enable()
     main()
+    # Exit without the collector walking every object of torch and transformers once more
+    gc.freeze()

@@ -18,6 +18,11 @@ as does ``peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)``. ``--merge
 weights and keeps the adapter in ``output_dir/adapter``.
 """
 
+import gc
+
+if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
+    gc.disable()
+
 import logging
 import pathlib
 
@@ -151,4 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    gc.enable()
     main()
+    # Exit without the collector walking every object of torch and transformers once more
+    gc.freeze()

@@ -12,6 +12,11 @@ when the model emits the end-of-text token. ``--stop`` is the way to end an answ
 tokenizer has no end-of-text token (character-level ones made before it had ``<|endoftext|>``).
 """
 
+import gc
+
+if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
+    gc.disable()
+
 import argparse
 
 import torch
@@ -91,4 +96,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    gc.enable()
     main()
+    # Exit without the collector walking every object of torch and transformers once more
+    gc.freeze()

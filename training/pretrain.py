@@ -10,6 +10,11 @@ The result in ``--output_dir`` loads with ``AutoModelForCausalLM.from_pretrained
 prints a sample. Every field of ``training.args.TrainConfig`` is a flag (``--help`` lists them).
 """
 
+import gc
+
+if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
+    gc.disable()
+
 import logging
 
 from accelerate.utils import set_seed
@@ -67,4 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    gc.enable()
     main()
+    # Exit without the collector walking every object of torch and transformers once more
+    gc.freeze()
