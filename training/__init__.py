@@ -7,6 +7,8 @@
 - ``training.loop``: optimizer, schedule, the accumulation/clipping/mixed-precision loop, evaluation, logging.
 - ``training.checkpointing``: crash-safe Accelerate checkpoints, resume, and the final Hugging Face folder.
 - ``training.finish``: the end of every training script: the final folder, the model card, the summary, the upload.
+- ``training.program``: how the scripts run as programs (Python's garbage collector paused while the libraries
+  import, frozen at exit).
 - ``training.finetune_args``: ``FinetuneConfig``, the fine-tuning configuration (base checkpoint, data format, LoRA).
 - ``training.sft_data``: fine-tuning data: prompt/completion and chat examples with completion-only labels,
   packed (examples kept apart) or padded.

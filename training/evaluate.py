@@ -15,10 +15,9 @@ For benchmark tasks, the same checkpoint runs under EleutherAI's lm-evaluation-h
 README and ``training/lm_eval_tasks/``).
 """
 
-import gc
+from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
 
-if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
-    gc.disable()
+pause_collector_while_importing(__name__)
 
 import json
 import logging
@@ -151,7 +150,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    gc.enable()
-    main()
-    # Exit without the collector walking every object of torch and transformers once more
-    gc.freeze()
+    run_program(main)

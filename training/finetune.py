@@ -18,10 +18,9 @@ as does ``peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)``. ``--merge
 weights and keeps the adapter in ``output_dir/adapter``.
 """
 
-import gc
+from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
 
-if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
-    gc.disable()
+pause_collector_while_importing(__name__)
 
 import logging
 import pathlib
@@ -156,7 +155,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    gc.enable()
-    main()
-    # Exit without the collector walking every object of torch and transformers once more
-    gc.freeze()
+    run_program(main)

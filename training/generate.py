@@ -12,10 +12,9 @@ when the model emits the end-of-text token. ``--stop`` is the way to end an answ
 tokenizer has no end-of-text token (character-level ones made before it had ``<|endoftext|>``).
 """
 
-import gc
+from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
 
-if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
-    gc.disable()
+pause_collector_while_importing(__name__)
 
 import argparse
 
@@ -96,7 +95,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    gc.enable()
-    main()
-    # Exit without the collector walking every object of torch and transformers once more
-    gc.freeze()
+    run_program(main)

@@ -10,10 +10,9 @@ The result in ``--output_dir`` loads with ``AutoModelForCausalLM.from_pretrained
 prints a sample. Every field of ``training.args.TrainConfig`` is a flag (``--help`` lists them).
 """
 
-import gc
+from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
 
-if __name__ == "__main__":  # run as a program: the cyclic collector waits until the libraries below have imported
-    gc.disable()
+pause_collector_while_importing(__name__)
 
 import logging
 
@@ -72,7 +71,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    gc.enable()
-    main()
-    # Exit without the collector walking every object of torch and transformers once more
-    gc.freeze()
+    run_program(main)
