@@ -303,6 +303,11 @@ def environment(threads: int) -> dict:
     }
 
 
+def row_label(row: dict) -> str:
+    """A row's first three columns: benchmark, size, and the reference with its pair."""
+    return f"{row['benchmark']:64s} {row['size']:5s} {row['reference'] + ' [' + row['pair'] + ']':52.52s}"
+
+
 def format_table(rows: list[dict], header: bool = True) -> str:
     title = (
         f"{'benchmark':64s} {'size':5s} {'reference [pair]':52s} {'decoderlab':>11s} {'reference':>11s} {'ratio':>6s}"
@@ -311,7 +316,7 @@ def format_table(rows: list[dict], header: bool = True) -> str:
     lines = [title, "-" * len(title)] if header else []
     for row in rows:
         lines.append(
-            f"{row['benchmark']:64s} {row['size']:5s} {row['reference'] + ' [' + row['pair'] + ']':52.52s} "
+            f"{row_label(row)} "
             f"{row['decoderlab']:11.1f} {row['reference_value']:11.1f} {row['ratio']:6.2f}  "
             f"{row['load'][0]:.1f}-{row['load'][1]:.1f}"
         )
@@ -383,10 +388,7 @@ def format_combined(rows: list[dict]) -> str:
     lines = [title, "-" * len(title)]
     for row in rows:
         low, high = row["ratio_range"]
-        lines.append(
-            f"{row['benchmark']:64s} {row['size']:5s} {row['reference'] + ' [' + row['pair'] + ']':52.52s} "
-            f"{row['ratio']:6.2f} {low:5.2f}-{high:5.2f}  {row['verdict']}"
-        )
+        lines.append(f"{row_label(row)} {row['ratio']:6.2f} {low:5.2f}-{high:5.2f}  {row['verdict']}")
     return "\n".join(lines)
 
 
