@@ -73,6 +73,8 @@ class DecoderLabConfig(PreTrainedConfig):
         tie_word_embeddings: share ``lm_head`` with ``embed_tokens``.
         initializer_range: std of the normal init; scale_residual_init: GPT-2's init of the
             residual output projections (``o_proj``, ``down_proj``) with std / sqrt(2 x layers).
+        embedding_initializer_range: std of the token embeddings' normal init (``None``: initializer_range);
+            only the start of training differs, the model computes the same function of its weights.
     """
 
     model_type = "decoderlab"
@@ -125,6 +127,7 @@ class DecoderLabConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     scale_residual_init: bool = True
+    embedding_initializer_range: float | None = None
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -182,6 +185,10 @@ class DecoderLabConfig(PreTrainedConfig):
                 f"embedding_multiplier must be a finite positive number (1.0 leaves the embeddings as they are), "
                 f"got {self.embedding_multiplier}."
             )
+        for name in ("initializer_range", "embedding_initializer_range"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite standard deviation >= 0, got {value}.")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}.")
         if self.use_parallel_residual and self.norm_placement != "pre":

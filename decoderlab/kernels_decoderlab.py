@@ -213,6 +213,12 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad_logits.scatter_add_(1, safe_targets, -scale).to(logits.dtype), None, None  # - one_hot * scale
 
 
+# From this many logits on, the loss goes through CrossEntropyFunction, for its two fewer (N, V) float32 buffers
+# (64 MiB each at the threshold); below, through F.cross_entropy, transformers' own call, the faster one at small
+# vocabularies (`python -m benchmarks.loss_paths` times both on this machine)
+LEAN_LOSS_MIN_LOGITS = 2**24
+
+
 def causal_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -224,11 +230,16 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss (same arguments, same value, computed in float32): position t predicts
     labels[t + 1]; the mean over targets that are not ``ignore_index``, or their sum / num_items_in_batch when
-    that is given (gradient accumulation), through ``CrossEntropyFunction``."""
+    that is given (gradient accumulation): through ``F.cross_entropy``, as transformers computes it, or from
+    ``LEAN_LOSS_MIN_LOGITS`` logits on through ``CrossEntropyFunction``."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shift_labels.reshape(-1).to(logits.device)
-    total = CrossEntropyFunction.apply(logits.reshape(-1, vocab_size), targets, ignore_index)
+    logits = logits.reshape(-1, vocab_size)
+    if logits.numel() >= LEAN_LOSS_MIN_LOGITS:
+        total = CrossEntropyFunction.apply(logits, targets, ignore_index)
+    else:
+        total = F.cross_entropy(upcast(logits), targets, ignore_index=ignore_index, reduction="sum")
     if num_items_in_batch is None:
         return total / (targets != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):

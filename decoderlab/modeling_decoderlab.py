@@ -577,8 +577,12 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        std, embedding_std = self.config.initializer_range, self.config.embedding_initializer_range
+        if embedding_std is not None and type(module) in (nn.Embedding, DecoderLabScaledEmbedding):
+            # the token embeddings with a std of their own, drawn once (the other weights draw what they would)
+            init.normal_(module.weight, mean=0.0, std=embedding_std)
+            return
         super()._init_weights(module)  # Linear, Embedding, norms, and the RoPE buffers
-        std = self.config.initializer_range
         if isinstance(module, DecoderLabLearnedPositionalEmbedding):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, DecoderLabSinusoidalPositionalEmbedding):

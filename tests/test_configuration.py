@@ -54,6 +54,7 @@ NON_DEFAULT_FIELDS = dict(
     tie_word_embeddings=True,
     initializer_range=0.05,
     scale_residual_init=False,
+    embedding_initializer_range=0.3,
     use_cache=False,
     pad_token_id=0,
     bos_token_id=1,
@@ -234,6 +235,12 @@ for _factor in (0.0, -8.0, float("inf"), float("nan")):
         dict(embedding_multiplier=_factor),
         rf"embedding_multiplier must be a finite positive number \(1.0 leaves .*\), got {_factor}\.",
     )
+for _name in ("initializer_range", "embedding_initializer_range"):
+    for _std in (-0.02, float("inf"), float("nan")):
+        BAD_CONFIGS[f"{_name} {_std}"] = (
+            dict({_name: _std}),
+            rf"^{_name} must be a finite standard deviation >= 0, got {_std}\.",
+        )
 
 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))

@@ -61,7 +61,7 @@ def tokenizers(shakespeare) -> dict:
 # the default recipe's model (training/configs/shakespeare_char.yaml, what `make demo` trains), QK-norm included
 DEFAULT_RECIPE = dict(
     hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256, qk_norm=True,
-    initializer_range=0.06, tie_word_embeddings=False,
+    initializer_range=0.06, embedding_initializer_range=0.24, tie_word_embeddings=False,
 )  # fmt: skip
 
 # tokenizer, config overrides: MHA and GQA/MQA, tied and untied, explicit head_dim, a padded vocabulary; QK-norm

@@ -22,6 +22,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import decoderlab.kernels_decoderlab as kernels
+from decoderlab import kernels_decoderlab
 from decoderlab.kernels_decoderlab import CrossEntropyFunction, DecoderLabLinear, RMSNormFunction, causal_lm_loss
 from decoderlab.modeling_decoderlab import DecoderLabRMSNorm
 
@@ -260,6 +261,15 @@ def loss_and_grad(loss_fn, logits: torch.Tensor, labels: torch.Tensor, **kwargs)
     return loss, grad
 
 
+@pytest.fixture(params=["F.cross_entropy", "CrossEntropyFunction"])
+def loss_path(request, monkeypatch):
+    """Each loss test runs through both paths of causal_lm_loss: the threshold moved so that these small logits
+    take the lean path too."""
+    if request.param == "CrossEntropyFunction":
+        monkeypatch.setattr(kernels_decoderlab, "LEAN_LOSS_MIN_LOGITS", 0)
+    return request.param
+
+
 LOSS_CASES = {
     "mean": {},
     "num_items_in_batch tensor": {"num_items_in_batch": torch.tensor(37)},
@@ -268,7 +278,7 @@ LOSS_CASES = {
 
 
 @pytest.mark.parametrize("case", list(LOSS_CASES))
-def test_causal_lm_loss_equals_transformers(case):
+def test_causal_lm_loss_equals_transformers(case, loss_path):
     """Same value and same gradient as transformers' ForCausalLMLoss: labels shifted by one, -100 ignored,
     the mean over counted targets or the sum / num_items_in_batch."""
     logits = 4 * torch.randn(2, 11, 50)
@@ -281,7 +291,7 @@ def test_causal_lm_loss_equals_transformers(case):
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-7)
 
 
-def test_causal_lm_loss_with_shift_labels_and_bfloat16_logits():
+def test_causal_lm_loss_with_shift_labels_and_bfloat16_logits(loss_path):
     """Pre-shifted labels (shift_labels=) are used as given; bfloat16 logits are computed in float32, as
     ForCausalLMLoss's upcast does, and the gradient comes back in bfloat16."""
     logits = (4 * torch.randn(3, 6, 40)).to(torch.bfloat16)
@@ -295,12 +305,24 @@ def test_causal_lm_loss_with_shift_labels_and_bfloat16_logits():
     torch.testing.assert_close(ours[1].float(), theirs[1].float(), rtol=1e-2, atol=1e-4)
 
 
-def test_causal_lm_loss_of_all_ignored_labels_is_nan_like_transformers():
+def test_causal_lm_loss_of_all_ignored_labels_is_nan_like_transformers(loss_path):
     """Every target ignored: 0 / 0, as F.cross_entropy's mean gives, not a silent 0."""
     logits = torch.randn(1, 4, 10)
     labels = torch.full((1, 4), -100)
     assert math.isnan(causal_lm_loss(logits, labels, 10).item())
     assert math.isnan(ForCausalLMLoss(logits, labels, 10).item())
+
+
+def test_causal_lm_loss_takes_the_lean_path_from_the_threshold_on(monkeypatch):
+    """Logits from LEAN_LOSS_MIN_LOGITS on go through CrossEntropyFunction, smaller ones through F.cross_entropy."""
+    calls = []
+    monkeypatch.setattr(CrossEntropyFunction, "apply", lambda *args: calls.append(args) or torch.tensor(1.0))
+    logits, labels = torch.randn(2, 5, 10), torch.randint(0, 10, (2, 5))  # 100 logits
+    for threshold, lean in ((101, False), (100, True), (99, True)):
+        calls.clear()
+        monkeypatch.setattr(kernels_decoderlab, "LEAN_LOSS_MIN_LOGITS", threshold)
+        causal_lm_loss(logits, labels, 10)
+        assert bool(calls) == lean, threshold
 
 
 def test_cross_entropy_function_passes_gradcheck():

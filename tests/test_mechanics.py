@@ -15,7 +15,12 @@ from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb 
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_apply_rotary_pos_emb
 
-from decoderlab.modeling_decoderlab import DecoderLabAttention, DecoderLabRotaryEmbedding, apply_rotary_pos_emb
+from decoderlab.modeling_decoderlab import (
+    DecoderLabAttention,
+    DecoderLabForCausalLM,
+    DecoderLabRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 
 def causal_mask(T: int) -> torch.Tensor:
@@ -277,6 +282,24 @@ def test_embedding_multiplier_scales_the_token_embeddings_before_positions(tiny_
             first_layer_input = scaled(x, position_ids=positions, output_hidden_states=True).hidden_states[0]
             unscaled_positions = scaled.model.embed_positions(positions)
             assert torch.equal(first_layer_input, m * scaled.model.embed_tokens.weight[x] + unscaled_positions)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_embedding_initializer_range_sets_the_token_embeddings_init_only(tiny_config, tie):
+    """embedding_initializer_range is the std of the token embeddings' init (a tied head is the same matrix);
+    every other weight keeps initializer_range's init, draw for draw."""
+    torch.manual_seed(0)
+    plain = DecoderLabForCausalLM(tiny_config(vocab_size=4000, initializer_range=0.02, tie_word_embeddings=tie))
+    torch.manual_seed(0)
+    wide = DecoderLabForCausalLM(
+        tiny_config(vocab_size=4000, initializer_range=0.02, embedding_initializer_range=0.3, tie_word_embeddings=tie)
+    )
+    assert wide.model.embed_tokens.weight.std().item() == pytest.approx(0.3, rel=0.02)
+    assert plain.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    for (name, a), (_, b) in zip(plain.named_parameters(), wide.named_parameters()):
+        if name != "model.embed_tokens.weight":
+            assert torch.equal(a, b), name
+    assert (wide.lm_head.weight is wide.model.embed_tokens.weight) == tie
 
 
 def test_embedding_multiplier_one_is_the_plain_embedding(tiny_model):

@@ -33,7 +33,7 @@ def test_default_recipe_is_nano_size():
     than nanoGPT's 2000 (the time bar is nanoGPT's wall time)."""
     cfg = parse_config(TrainConfig, ["--config", str(CONFIGS[0].parent / "shakespeare_char.yaml")])
     assert (cfg.model["num_hidden_layers"], cfg.model["hidden_size"], cfg.model["num_attention_heads"]) == (4, 128, 4)
-    assert (cfg.block_size, cfg.per_device_train_batch_size, cfg.max_train_steps) == (64, 12, 1700)
+    assert (cfg.block_size, cfg.per_device_train_batch_size, cfg.max_train_steps) == (64, 12, 1600)
     assert cfg.tokenizer_type == "char"
 
 
@@ -112,6 +112,7 @@ def test_unknown_flag_and_unknown_model_field():
     [
         (["--block_size", "0"], "block_size must be a positive integer, got 0"),
         (["--learning_rate", "-1"], "learning_rate must be positive, got -1.0"),
+        (["--embedding_learning_rate", "0"], "embedding_learning_rate must be positive, got 0.0"),
         (["--adam_beta2", "1.0"], r"adam_beta2 must be in \[0, 1\), got 1.0"),
         (["--lr_scheduler_type", "cosine_annealing"], "lr_scheduler_type='cosine_annealing' is unknown"),
         (["--push_to_hub"], "push_to_hub=True needs --hub_model_id"),

@@ -40,6 +40,8 @@ from training.loop import (
     check_fsdp_launch,
     evaluate,
     make_accelerator,
+    make_optimizer,
+    make_scheduler,
     param_groups,
     train,
 )
@@ -88,6 +90,27 @@ def test_weight_decay_skips_norms_biases_and_embeddings(tiny_config):
         assert not any("norm" in n or "bias" in n or "embed" in n for n in decayed)
         assert len(decay) + len(no_decay) == len(list(model.parameters()))
         assert ("lm_head.weight" in decayed) == (not overrides)
+
+
+def test_embedding_learning_rate_is_a_group_of_its_own_that_follows_the_schedule(tiny_config):
+    """--embedding_learning_rate puts the token embeddings (and a tied head, the same matrix) into a third,
+    undecayed group with that peak rate; the schedule scales it by the same factor as the others."""
+    for tie in (False, True):
+        model = decoderlab.DecoderLabForCausalLM(tiny_config(tie_word_embeddings=tie))
+        cfg = TrainConfig(learning_rate=1e-3, embedding_learning_rate=4e-3, num_warmup_steps=2, max_train_steps=10)
+        optimizer = make_optimizer(model, cfg)
+        scheduler = make_scheduler(optimizer, cfg, cfg.max_train_steps)
+        *others, embeddings = optimizer.param_groups
+        assert embeddings["params"] == [model.model.embed_tokens.weight]
+        assert embeddings["weight_decay"] == 0.0 and embeddings["initial_lr"] == 4e-3
+        assert all(group["initial_lr"] == 1e-3 for group in others)
+        assert sum(len(group["params"]) for group in optimizer.param_groups) == len(list(model.parameters()))
+        for _ in range(5):
+            optimizer.step()
+            scheduler.step()
+            assert embeddings["lr"] == pytest.approx(4 * others[0]["lr"]) and others[0]["lr"] > 0
+    # without it: two groups, as before
+    assert len(make_optimizer(model, TrainConfig(learning_rate=1e-3)).param_groups) == 2
 
 
 def test_evaluate_weights_every_predicted_token_once(tiny_model):

@@ -103,6 +103,9 @@ class TrainConfig(Config):
     per_device_eval_batch_size: int = option(64, "sequences per process per evaluation batch")
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
     learning_rate: float = option(2e-3, "peak learning rate (AdamW)")
+    embedding_learning_rate: float | None = option(
+        None, "peak learning rate of the token embeddings (a tied lm_head is the same matrix); none: learning_rate"
+    )
     weight_decay: float = option(0.1, "AdamW weight decay; never applied to norms, biases and embeddings")
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.99, "AdamW beta2")
@@ -149,8 +152,8 @@ class TrainConfig(Config):
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
         if self.block_size < 2:
             raise ValueError("block_size must be at least 2 (a block predicts its tokens after the first), got 1.")
-        for name in ("learning_rate", "adam_epsilon"):
-            if getattr(self, name) <= 0:
+        for name in ("learning_rate", "embedding_learning_rate", "adam_epsilon"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, or none to disable clipping, got {self.max_grad_norm}.")

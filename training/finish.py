@@ -30,6 +30,7 @@ def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes:
         "batch_size": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes,
         "block_size": cfg.block_size,
         "learning_rate": cfg.learning_rate,
+        **({} if cfg.embedding_learning_rate is None else {"embedding_learning_rate": cfg.embedding_learning_rate}),
         "precision": "fp32" if cfg.mixed_precision == "no" else f"{cfg.mixed_precision} autocast",
         "hardware": hardware,
         "wall_time_s": round(state.elapsed_s, 1),

@@ -195,8 +195,10 @@ def setup_script_logging(accelerator: Accelerator) -> None:
 # Optimizer and schedule
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: weight decay on the weight matrices, none on norms, biases and embeddings.
+def param_groups(model: nn.Module, weight_decay: float, embedding_learning_rate: float | None = None) -> list[dict]:
+    """AdamW groups: weight decay on the weight matrices, none on norms, biases and embeddings; with
+    ``embedding_learning_rate``, the token embeddings in a third group of their own with that peak rate
+    (the schedule scales every group's rate by the same factor).
 
     Decaying an embedding row pulls rare tokens toward zero for no gain, and decaying norm gains or
     biases fights the scale they exist to set (the GPT-2 / nanoGPT / Llama recipes all exempt them).
@@ -204,11 +206,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """
     embedding_modules = (nn.Embedding, DecoderLabAbsolutePositionalEmbedding)
     no_decay = {id(p) for m in model.modules() if isinstance(m, embedding_modules) for p in m.parameters()}
-    decay, rest = [], []
+    own_rate = set()
+    if embedding_learning_rate is not None:
+        own_rate = {id(p) for p in model.get_input_embeddings().parameters()}
+    decay, rest, embeddings = [], [], []
     for param in model.parameters():
-        if param.requires_grad:
+        if not param.requires_grad:
+            continue
+        if id(param) in own_rate:
+            embeddings.append(param)
+        else:
             (decay if param.ndim >= 2 and id(param) not in no_decay else rest).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    if embeddings:
+        groups.append({"params": embeddings, "weight_decay": 0.0, "lr": embedding_learning_rate})
+    return groups
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -216,7 +228,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     every tensor, instead of a Python loop over them (about 4x faster for the nano model on CPU)."""
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+        param_groups(model, cfg.weight_decay, cfg.embedding_learning_rate),
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_epsilon,
