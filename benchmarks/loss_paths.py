@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import interleaved_medians, load_average, machine_line
-from decoderlab.kernels_decoderlab import LEAN_LOSS_MIN_LOGITS, CrossEntropyFunction
+from decoderlab.kernels_decoderlab import LEAN_LOSS_MIN_LOGITS, CrossEntropyFunction, takes_lean_loss_path
 
 # (name, rows = batch x block, vocabulary): the micro-batches of training/configs/*.yaml and benchmarks.common's
 # tiny size; fineweb_edu_bpe's 32 x 1024 rows are cut to 4 x 1024 to fit a CPU's memory
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         inner = max(1, 2**22 // (rows * vocab))  # about 4M logits per timing, so small shapes are not all overhead
         times = interleaved_medians(loss_paths(rows, vocab), repeats=args.repeats, warmup=1, inner=inner)
         plain, lean = times["F.cross_entropy"]["median_s"], times["CrossEntropyFunction"]["median_s"]
-        chosen = "CrossEntropyFunction" if rows * vocab >= LEAN_LOSS_MIN_LOGITS else "F.cross_entropy"
+        chosen = "CrossEntropyFunction" if takes_lean_loss_path(rows * vocab) else "F.cross_entropy"
         buffer_mb = rows * vocab * 4 / 2**20
         print(
             f"{name:<50} {plain * 1e3:>13.3f} ms {lean * 1e3:>18.3f} ms {plain / lean:>5.2f}x {buffer_mb:>11.1f} MB  {chosen}"

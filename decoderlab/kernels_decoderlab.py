@@ -219,6 +219,11 @@ class CrossEntropyFunction(torch.autograd.Function):
 LEAN_LOSS_MIN_LOGITS = 2**24
 
 
+def takes_lean_loss_path(num_logits: int) -> bool:
+    """Whether ``causal_lm_loss`` computes this many logits' loss through ``CrossEntropyFunction``."""
+    return num_logits >= LEAN_LOSS_MIN_LOGITS
+
+
 def causal_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -236,7 +241,7 @@ def causal_lm_loss(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shift_labels.reshape(-1).to(logits.device)
     logits = logits.reshape(-1, vocab_size)
-    if logits.numel() >= LEAN_LOSS_MIN_LOGITS:
+    if takes_lean_loss_path(logits.numel()):
         total = CrossEntropyFunction.apply(logits, targets, ignore_index)
     else:
         total = F.cross_entropy(upcast(logits), targets, ignore_index=ignore_index, reduction="sum")

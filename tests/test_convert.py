@@ -423,9 +423,13 @@ QWEN3_CASES = {
     ),
     # training/configs/shakespeare_char.yaml's model, what `make demo` trains
     "default-recipe": dict(
-        hidden_size=128, num_hidden_layers=4, intermediate_size=256, initializer_range=0.06,
-        embedding_initializer_range=0.24, tie_word_embeddings=False,
-    ),  # fmt: skip
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        initializer_range=0.06,
+        embedding_initializer_range=0.24,
+        tie_word_embeddings=False,
+    ),
 }
 
 

@@ -206,9 +206,7 @@ def param_groups(model: nn.Module, weight_decay: float, embedding_learning_rate:
     """
     embedding_modules = (nn.Embedding, DecoderLabAbsolutePositionalEmbedding)
     no_decay = {id(p) for m in model.modules() if isinstance(m, embedding_modules) for p in m.parameters()}
-    own_rate = set()
-    if embedding_learning_rate is not None:
-        own_rate = {id(p) for p in model.get_input_embeddings().parameters()}
+    own_rate = set() if embedding_learning_rate is None else {id(p) for p in model.get_input_embeddings().parameters()}
     decay, rest, embeddings = [], [], []
     for param in model.parameters():
         if not param.requires_grad:
