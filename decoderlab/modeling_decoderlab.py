@@ -269,6 +269,13 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(B, n_kv, n_rep, T, hs).reshape(B, n_kv * n_rep, T, hs)
 
 
+def residual_output(projection: DecoderLabLinear) -> DecoderLabLinear:
+    """Mark ``projection`` as one that writes into the residual stream (``o_proj``, ``down_proj``): the ones
+    ``scale_residual_init`` draws smaller."""
+    projection.is_residual_output = True
+    return projection
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -320,7 +327,7 @@ class DecoderLabAttention(nn.Module):
         self.q_proj = DecoderLabLinear(C, nh * hs, bias=bias)
         self.k_proj = DecoderLabLinear(C, n_kv * hs, bias=bias)
         self.v_proj = DecoderLabLinear(C, n_kv * hs, bias=bias)
-        self.o_proj = DecoderLabLinear(nh * hs, C, bias=bias)
+        self.o_proj = residual_output(DecoderLabLinear(nh * hs, C, bias=bias))
         # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen 3): normalise each head's q and k before RoPE
         self.q_norm = make_norm(config, hs) if config.qk_norm else None
         self.k_norm = make_norm(config, hs) if config.qk_norm else None
@@ -381,7 +388,9 @@ class DecoderLabMLP(nn.Module):
     def __init__(self, config: DecoderLabConfig):
         super().__init__()
         self.up_proj = DecoderLabLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = residual_output(
+            DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        )
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -395,7 +404,9 @@ class DecoderLabGatedMLP(nn.Module):
         super().__init__()
         self.gate_proj = DecoderLabLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = DecoderLabLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = residual_output(
+            DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        )
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -582,17 +593,19 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             # the token embeddings with a std of their own, drawn once (the other weights draw what they would)
             init.normal_(module.weight, mean=0.0, std=embedding_std)
             return
+        if self.config.scale_residual_init and getattr(module, "is_residual_output", False):
+            # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded.
+            # Drawn on the projection itself: transformers (from 5.19 on, for all code outside the library) skips
+            # _init_weights for modules without parameters of their own, such as the attention and MLP modules
+            init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+            if module.bias is not None:
+                init.zeros_(module.bias)
+            return
         super()._init_weights(module)  # Linear, Embedding, norms, and the RoPE buffers
         if isinstance(module, DecoderLabLearnedPositionalEmbedding):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, DecoderLabSinusoidalPositionalEmbedding):
             init.copy_(module.table, module.compute_table())
-        elif self.config.scale_residual_init and isinstance(
-            module, (DecoderLabAttention, DecoderLabMLP, DecoderLabGatedMLP)
-        ):
-            # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded
-            out = module.o_proj if isinstance(module, DecoderLabAttention) else module.down_proj
-            init.normal_(out.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # save_pretrained writes auto_map only for the class being saved and its config; name every

@@ -218,3 +218,16 @@ def test_eval_batch_times_every_batch_size_against_the_recipes(tmp_path):
     failed = subprocess.run([sys.executable, "-m", "benchmarks.eval_batch", "--batch_sizes", "24", "--blocks", "32"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert failed.returncode != 0 and "must be a multiple of every batch size" in failed.stderr
+
+
+@pytest.mark.slow
+def test_char_packing_times_both_encodings_of_the_same_ids(tmp_path):
+    """``python -m benchmarks.char_packing``: the CPU named, both encodings of the train split timed (it exits
+    before timing if their ids differ), the ratio their quotient."""
+    out = tmp_path / "char_packing.json"
+    stdout = run_module("benchmarks.char_packing", "--repeats", "1", "--json_out", str(out))
+    assert stdout.startswith("CPU: ") and "the same ids from both" in stdout
+    result = json.loads(out.read_text())
+    assert result["characters"] == 1_003_854
+    assert result["tokenizer_ms"] > 0 and result["char_encoder_ms"] > 0
+    assert result["ratio"] == pytest.approx(result["tokenizer_ms"] / result["char_encoder_ms"], rel=0.05, abs=1)

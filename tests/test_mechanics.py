@@ -302,6 +302,25 @@ def test_embedding_initializer_range_sets_the_token_embeddings_init_only(tiny_co
     assert (wide.lm_head.weight is wide.model.embed_tokens.weight) == tie
 
 
+@pytest.mark.parametrize("mlp_type", ["gated", "plain"])
+def test_scale_residual_init_draws_the_residual_outputs_smaller(tiny_config, mlp_type):
+    """scale_residual_init (GPT-2's init) draws o_proj and down_proj with std / sqrt(2 x layers), their biases
+    zero, and every other matrix with std; off, those two draw std too. (transformers from 5.19 on never calls
+    _init_weights on the attention and MLP modules of code outside the library, so the draw is the projection's.)"""
+    sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                 initializer_range=0.05, mlp_type=mlp_type, attention_bias=True, mlp_bias=True)  # fmt: skip
+    scaled_std = 0.05 / math.sqrt(2 * 8)
+    for scaled in (True, False):
+        model = DecoderLabForCausalLM(tiny_config(**sizes, scale_residual_init=scaled))
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                assert param.std().item() == pytest.approx(scaled_std if scaled else 0.05, rel=0.05), name
+            elif name.endswith("proj.weight"):
+                assert param.std().item() == pytest.approx(0.05, rel=0.05), name
+            elif name.endswith("proj.bias"):
+                assert not param.any(), name
+
+
 def test_embedding_multiplier_one_is_the_plain_embedding(tiny_model):
     """The default 1.0 builds a plain nn.Embedding: the default model computes what it did before the field."""
     model = tiny_model()

@@ -12,6 +12,7 @@ from tests.paths import INPUT_TXT, SHARED_DATA
 from training.args import TrainConfig
 from training.data import (
     BlockBatches,
+    CharEncoder,
     Packing,
     block_tensor,
     load_text_splits,
@@ -52,6 +53,29 @@ def test_char_tokenizer_refuses_unknown_characters():
     tokenizer = train_char_tokenizer(["abc"])
     with pytest.raises(Exception, match="UNK|unk|vocabulary"):
         tokenizer("abz")
+
+
+def test_char_encoder_gives_the_tokenizers_ids(corpus, tmp_path):
+    """The table lookup that packs character-tokenized text gives the tokenizer's own ids for all of Tiny
+    Shakespeare, also for the tokenizer reloaded by AutoTokenizer; a text holding the end-of-text token (which
+    the tokenizer matches as one token) is left to the tokenizer, and tokenizers of other kinds get no table."""
+    tokenizer = train_char_tokenizer([corpus])
+    tokenizer.save_pretrained(tmp_path)
+    for loaded in (tokenizer, AutoTokenizer.from_pretrained(tmp_path)):
+        encoder = CharEncoder.of(loaded)
+        assert encoder is not None
+        assert encoder(corpus).tolist() == tokenizer(corpus, add_special_tokens=False)["input_ids"]
+    assert encoder("To be<|endoftext|>") is None
+    assert CharEncoder.of(train_bpe_tokenizer([corpus[:20_000]], vocab_size=300)) is None
+
+
+def test_packing_names_characters_the_char_tokenizer_lacks(tmp_path):
+    """Packing text with characters outside a character vocabulary is a ValueError that lists them."""
+    (tmp_path / "train.txt").write_text("abc\nabéz\nz\n" * 10)
+    cfg = TrainConfig(train_file=str(tmp_path / "train.txt"), block_size=4, dataset_name=None)
+    train, _ = load_text_splits(cfg)
+    with pytest.raises(ValueError, match=r"2 character\(s\) the character tokenizer does not know: 'zé'"):
+        pack(train, train_char_tokenizer(["abc\n"]), Packing.of(cfg), "train")
 
 
 def test_bpe_tokenizer_round_trips_and_has_eos(corpus, tmp_path):
@@ -137,8 +161,9 @@ def test_packing_concatenates_and_caches(corpus, tmp_path):
 
 def test_documents_are_separated_by_the_end_of_text_token(tmp_path):
     """Rows of a multi-document dataset (jsonl) are packed as each document's characters followed by the
-    character tokenizer's end-of-text token (id 65 after 65 characters); the lines of a .txt file are not."""
-    documents = ["To be, or not to be", "that is the question:", "Whether 'tis nobler in the mind"]
+    character tokenizer's end-of-text token (id 65 after 65 characters); the lines of a .txt file are not. The
+    end-of-text token written inside a text is that token, as the tokenizer reads it."""
+    documents = ["To be, or not to be", "that is the question:", "Whether 'tis<|endoftext|> nobler in the mind"]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
     (tmp_path / "lines.txt").write_text("".join(d + "\n" for d in documents))
     tokenizer = train_char_tokenizer(documents + ["\n"])
