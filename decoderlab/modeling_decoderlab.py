@@ -595,8 +595,9 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             return
         if self.config.scale_residual_init and getattr(module, "is_residual_output", False):
             # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded.
-            # Drawn on the projection itself: transformers (from 5.19 on, for all code outside the library) skips
-            # _init_weights for modules without parameters of their own, such as the attention and MLP modules
+            # Drawn on the projection itself: transformers skips _init_weights for modules without parameters of
+            # their own, such as the attention and MLP modules (from 5.13 on for all code outside the library; 5.12
+            # for remote code only)
             init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
             if module.bias is not None:
                 init.zeros_(module.bias)

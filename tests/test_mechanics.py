@@ -305,7 +305,7 @@ def test_embedding_initializer_range_sets_the_token_embeddings_init_only(tiny_co
 @pytest.mark.parametrize("mlp_type", ["gated", "plain"])
 def test_scale_residual_init_draws_the_residual_outputs_smaller(tiny_config, mlp_type):
     """scale_residual_init (GPT-2's init) draws o_proj and down_proj with std / sqrt(2 x layers), their biases
-    zero, and every other matrix with std; off, those two draw std too. (transformers from 5.19 on never calls
+    zero, and every other matrix with std; off, those two draw std too. (transformers from 5.13 on never calls
     _init_weights on the attention and MLP modules of code outside the library, so the draw is the projection's.)"""
     sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                  initializer_range=0.05, mlp_type=mlp_type, attention_bias=True, mlp_bias=True)  # fmt: skip
