@@ -220,8 +220,9 @@ SERVED_NAME = "decoderlab-shakespeare"
 
 @pytest.fixture(scope="module")
 def shakespeare(tmp_path_factory):
-    """A checkpoint as the training scripts leave it (character tokenizer with ``<|endoftext|>``), trained 60 steps
-    on Tiny Shakespeare so its greedy text varies; and ``generate``'s greedy completion of each prompt."""
+    """A checkpoint as the training scripts leave it (character tokenizer with ``<|endoftext|>``), trained 300 steps
+    on Tiny Shakespeare so its greedy text varies (after 60 or 100 steps it can still be newlines only, depending
+    on the initialisation); and ``generate``'s greedy completion of each prompt."""
     with one_thread():
         torch.manual_seed(0)
         text = INPUT_TXT.read_text(encoding="utf-8")[:100_000]
@@ -234,7 +235,7 @@ def shakespeare(tmp_path_factory):
         model = decoderlab.DecoderLabForCausalLM(config)
         data = torch.tensor(tokenizer(text).input_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for _ in range(60):
+        for _ in range(300):
             starts = torch.randint(0, len(data) - 65, (16,)).tolist()
             batch = torch.stack([data[s : s + 65] for s in starts])
             model(batch, labels=batch).loss.backward()
