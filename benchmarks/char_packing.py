@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     encoder = CharEncoder.of(tokenizer)
     if encoder(text).tolist() != tokenizer(text, add_special_tokens=False)["input_ids"]:
         raise SystemExit("CharEncoder and the tokenizer disagree: nothing to compare")
-    print(machine_line(torch.get_num_threads()))
+    machine = machine_line(torch.get_num_threads())
+    print(machine)
     load_before = load_average()
     times = interleaved_medians(
         {
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tokenizer call  {slow * 1e3:9.1f} ms")
     print(f"CharEncoder     {fast * 1e3:9.1f} ms   ({slow / fast:.0f}x faster)")
     if args.json_out:
-        result = {"machine": machine_line(torch.get_num_threads()), "load_average": [load_before, load_average()],
+        result = {"machine": machine, "load_average": [load_before, load_average()],
                   "characters": len(text), "tokenizer_ms": round(slow * 1e3, 2),
                   "char_encoder_ms": round(fast * 1e3, 2), "ratio": round(slow / fast, 1)}  # fmt: skip
         pathlib.Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -45,8 +45,10 @@ EOS_TOKEN = "<|endoftext|>"
 # follows in packed training, so tools that put a BOS before a text (lm-eval's prefix token) condition on it.
 SPECIAL_TOKENS = {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN, "bos_token": EOS_TOKEN}
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
-# train_char_tokenizer's pre-tokenizer, as tokenizer.json stores it: every character is its own word
-CHAR_SPLIT = {"type": "Split", "pattern": {"Regex": "(?m)."}, "behavior": "Isolated", "invert": False}
+# train_char_tokenizer's pre-tokenizer: every character (newlines included: Oniguruma's (?m) makes '.' match them)
+# is its own word; CHAR_SPLIT is how tokenizer.json stores it
+CHAR_PATTERN = "(?m)."
+CHAR_SPLIT = {"type": "Split", "pattern": {"Regex": CHAR_PATTERN}, "behavior": "Isolated", "invert": False}
 PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
 
 TextSplit = datasets.Dataset | datasets.IterableDataset
@@ -175,8 +177,7 @@ def train_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     if not chars:
         raise ValueError("Cannot build a character vocabulary from empty text.")
     tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))
-    # every character (newlines included: Oniguruma's (?m) makes '.' match them) is its own word
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_PATTERN), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # concatenate the characters back, no spaces added
     tokenizer.add_special_tokens([EOS_TOKEN])  # after the characters: id len(chars)
     return wrap_tokenizer(tokenizer)
