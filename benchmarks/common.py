@@ -7,6 +7,7 @@ implementation and nothing else.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -299,6 +300,25 @@ def machine_line(threads: int) -> str:
         f"CPU: {cpu_model()} ({os.cpu_count()} cores, {threads} threads), torch {torch.__version__}, "
         f"transformers {transformers.__version__}, load {load_average():.1f}"
     )
+
+
+def timing_parser(doc: str, repeats: int = 7) -> argparse.ArgumentParser:
+    """The command line every kernel timing shares (``--repeats``, ``--threads``, ``--json_out``), described by the
+    first paragraph of the benchmark's docstring ``doc``; a benchmark adds its own options to it."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=repeats, help="timed rounds of each path")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--json_out", default=None, help="also write the results here")
+    return parser
+
+
+def write_timing(json_out: str | None, threads: int, load_before: float, **fields) -> None:
+    """Write a timing's ``fields`` to ``json_out`` (when given) after the machine line and the load average before
+    and after, the preamble every benchmark's JSON starts with."""
+    if json_out:
+        result = {"machine": machine_line(threads), "load_average": [load_before, load_average()], **fields}
+        pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_out}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,13 +11,11 @@ the recipe's ``per_device_eval_batch_size``. Why it matters: the recipe evaluate
 the end of every run, and on a CPU the rate falls once a batch's activations no longer fit in the cache.
 """
 
-import argparse
-import json
 import pathlib
 
 import torch
 
-from benchmarks.common import interleaved_medians, load_average, machine_line
+from benchmarks.common import interleaved_medians, load_average, machine_line, timing_parser, write_timing
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from training.args import TrainConfig, parse_config
 
@@ -26,12 +24,9 @@ VOCAB_SIZE = 66  # the recipe's character vocabulary: the 65 characters of Tiny 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = timing_parser(__doc__, repeats=5)
     parser.add_argument("--batch_sizes", default="16,32,64,128,256", help="comma-separated evaluation batch sizes")
     parser.add_argument("--blocks", type=int, default=512, help="validation blocks per timing (a multiple of each)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     recipe = parse_config(TrainConfig, ["--config", str(RECIPE)])  # read as training/pretrain.py reads it
@@ -61,16 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{'eval batch':>10}  {'tokens/s':>10}  vs batch {chosen} (the recipe's)")
     for b in sizes:
         print(f"{b:>10}  {rates[b]:>10,.0f}  {rates[b] / rates[chosen]:.2f}x")
-    if args.json_out:
-        result = {
-            "machine": machine_line(args.threads),
-            "load_average": [load_before, load_average()],
-            "recipe_batch_size": chosen,
-            "tokens_per_s": {str(b): round(rates[b]) for b in sizes},
-            "samples_s": {str(b): times[b]["samples_s"] for b in sizes},
-        }
-        pathlib.Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
+    write_timing(
+        args.json_out,
+        args.threads,
+        load_before,
+        recipe_batch_size=chosen,
+        tokens_per_s={str(b): round(rates[b]) for b in sizes},
+        samples_s={str(b): times[b]["samples_s"] for b in sizes},
+    )
 
 
 if __name__ == "__main__":

@@ -11,20 +11,16 @@ backward time of both paths, interleaved (A B A B ...), their ratio, the memory 
 buffer, and the path the threshold picks. The threshold is a memory rule; this shows what it costs in time.
 """
 
-import argparse
-import json
-import pathlib
-
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_medians, load_average, machine_line
+from benchmarks.common import interleaved_medians, load_average, machine_line, timing_parser, write_timing
 from decoderlab.kernels_decoderlab import LEAN_LOSS_MIN_LOGITS, CrossEntropyFunction, takes_lean_loss_path
 
 # (name, rows = batch x block, vocabulary): the micro-batches of training/configs/*.yaml and benchmarks.common's
 # tiny size; fineweb_edu_bpe's 32 x 1024 rows are cut to 4 x 1024 to fit a CPU's memory
 SHAPES = (
-    ("shakespeare_char (12 x 64, 66)", 12 * 64, 66),
+    ("shakespeare_char (16 x 64, 66)", 16 * 64, 66),
     ("tiny (12 x 256, 8192)", 12 * 256, 8192),
     ("fineweb_edu_bpe, 4 of 32 rows (4 x 1024, 32000)", 4 * 1024, 32000),
 )
@@ -47,11 +43,7 @@ def loss_paths(rows: int, vocab: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json_out", default=None)
-    args = parser.parse_args(argv)
+    args = timing_parser(__doc__).parse_args(argv)
     torch.set_num_threads(args.threads)
     print(machine_line(args.threads))
     load_before, rows_out = load_average(), []
@@ -72,11 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             "cross_entropy_function_ms": round(lean * 1e3, 4), "buffer_mb": round(buffer_mb, 2), "path": chosen,
         })  # fmt: skip
     print("ratio: F.cross_entropy's time / CrossEntropyFunction's (above 1: the lean path is the faster)")
-    if args.json_out:
-        result = {"machine": machine_line(args.threads), "load_average": [load_before, load_average()],
-                  "lean_loss_min_logits": LEAN_LOSS_MIN_LOGITS, "rows": rows_out}  # fmt: skip
-        pathlib.Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
+    write_timing(args.json_out, args.threads, load_before, lean_loss_min_logits=LEAN_LOSS_MIN_LOGITS, rows=rows_out)
 
 
 if __name__ == "__main__":

@@ -149,8 +149,10 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 
 class RMSNormFunction(torch.autograd.Function):
     """w * (x / rms(x)) in LlamaRMSNorm's order of ops (identical outputs), with the backward written out:
-    with x̂ = x / rms(x) and g' = g * w, dL/dx = (g' - x̂ * mean(g' * x̂)) / rms(x) and dL/dw = sum over tokens of
-    g * x̂. Why: autograd's backward of the same forward makes about twice the passes over (B, T, C)."""
+    with x̂ = x / rms(x), dL/dx = (g * w - x̂ * mean(g * w * x̂)) / rms(x) and dL/dw = sum over tokens of g * x̂.
+    Why: autograd's backward of the same forward makes about twice the passes over (B, T, C); here g * x̂ is
+    formed once and serves both gradients (its row sums against w, mean(g * w * x̂), are one matrix-vector
+    product)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,11 +165,13 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x_hat, rstd, weight = ctx.saved_tensors
-        grad_w = upcast(grad * weight)  # g'
-        dot = torch.linalg.vecdot(grad_w, x_hat).unsqueeze(-1).div_(x_hat.shape[-1])  # mean(g' * x̂): (..., 1)
-        grad_x = torch.addcmul(grad_w, x_hat, dot, value=-1).mul_(rstd).to(ctx.input_dtype)
-        grad_weight = (grad * x_hat.to(ctx.input_dtype)).flatten(0, -2).sum(0).to(weight.dtype)
+        x_hat, rstd, weight = ctx.saved_tensors  # x̂ and rstd in float32 (float64 for float64 input)
+        grad = upcast(grad)
+        C = x_hat.shape[-1]
+        grad_x_hat = (grad * x_hat).reshape(-1, C)  # g * x̂: (N, C)
+        grad_weight = grad_x_hat.sum(0).to(weight.dtype)
+        dot = torch.mv(grad_x_hat, weight.to(grad.dtype)).div_(C).view(rstd.shape)  # mean(g * w * x̂): (..., 1)
+        grad_x = torch.addcmul(grad * weight, x_hat, dot, value=-1).mul_(rstd).to(ctx.input_dtype)
         return grad_x, grad_weight, None
 
 

@@ -231,3 +231,17 @@ def test_char_packing_times_both_encodings_of_the_same_ids(tmp_path):
     assert result["characters"] == 1_003_854
     assert result["tokenizer_ms"] > 0 and result["char_encoder_ms"] > 0
     assert result["ratio"] == pytest.approx(result["tokenizer_ms"] / result["char_encoder_ms"], rel=0.05, abs=1)
+
+
+@pytest.mark.slow
+def test_rms_norm_times_the_training_path_against_llamas_module_and_layer_norm(tmp_path):
+    """``python -m benchmarks.rms_norm``: the CPU named, the three norms timed at every shape (it exits before timing
+    if RMSNormFunction's gradients differ from autograd's through LlamaRMSNorm), the ratio their quotient."""
+    out = tmp_path / "rms_norm.json"
+    stdout = run_module("benchmarks.rms_norm", "--repeats", "1", "--threads", "1", "--json_out", str(out))
+    assert stdout.startswith("CPU: ")
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["dims"][-1] for row in rows] == [128, 32, 384]
+    for row in rows:
+        assert row["RMSNormFunction_us"] > 0 and row["LlamaRMSNorm_us"] > 0 and row["F.layer_norm_us"] > 0
+        assert row["llama_over_ours"] == pytest.approx(row["LlamaRMSNorm_us"] / row["RMSNormFunction_us"], rel=1e-2)

@@ -226,6 +226,19 @@ def test_rms_norm_backward_equals_autograd():
         torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
 
 
+def test_rms_norm_backward_takes_a_gradient_laid_out_in_another_order():
+    """An output gradient that is a permuted view (as a transpose in the layer above can hand back) gives the same
+    gradients as its contiguous copy: the backward reshapes it, never views it as (tokens, C)."""
+    weight = (1 + 0.1 * torch.randn(16)).requires_grad_()
+    x = torch.randn(3, 5, 4, 16).requires_grad_()
+    grad = torch.randn(3, 4, 5, 16).transpose(1, 2)  # (3, 5, 4, 16), not contiguous
+    assert not grad.is_contiguous()
+    strided = torch.autograd.grad(RMSNormFunction.apply(x, weight, 1e-5), (x, weight), grad)
+    contiguous = torch.autograd.grad(RMSNormFunction.apply(x, weight, 1e-5), (x, weight), grad.contiguous())
+    for a, b in zip(strided, contiguous):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_rms_norm_function_passes_gradcheck():
     """Finite differences in float64 agree with the analytic backward (input and weight)."""
     x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
