@@ -15,9 +15,9 @@ For benchmark tasks, the same checkpoint runs under EleutherAI's lm-evaluation-h
 README and ``training/lm_eval_tasks/``).
 """
 
-from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
+from training.program import prepare_imports, run_program  # isort: skip (first)
 
-pause_collector_while_importing(__name__)
+prepare_imports(__name__)
 
 import json
 import logging

@@ -18,9 +18,9 @@ as does ``peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)``. ``--merge
 weights and keeps the adapter in ``output_dir/adapter``.
 """
 
-from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
+from training.program import prepare_imports, run_program  # isort: skip (first)
 
-pause_collector_while_importing(__name__)
+prepare_imports(__name__)
 
 import logging
 import pathlib

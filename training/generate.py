@@ -12,9 +12,9 @@ when the model emits the end-of-text token. ``--stop`` is the way to end an answ
 tokenizer has no end-of-text token (character-level ones made before it had ``<|endoftext|>``).
 """
 
-from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
+from training.program import prepare_imports, run_program  # isort: skip (first)
 
-pause_collector_while_importing(__name__)
+prepare_imports(__name__)
 
 import argparse
 

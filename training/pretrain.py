@@ -10,9 +10,9 @@ The result in ``--output_dir`` loads with ``AutoModelForCausalLM.from_pretrained
 prints a sample. Every field of ``training.args.TrainConfig`` is a flag (``--help`` lists them).
 """
 
-from training.program import pause_collector_while_importing, run_program  # isort: skip (first)
+from training.program import prepare_imports, run_program  # isort: skip (first)
 
-pause_collector_while_importing(__name__)
+prepare_imports(__name__)
 
 import logging
 

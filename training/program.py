@@ -1,8 +1,8 @@
 """How the scripts in ``training/`` run as programs (``python training/pretrain.py ...``), in one place.
 
-    from training.program import pause_collector_while_importing, run_program  # first
+    from training.program import prepare_imports, run_program  # first
 
-    pause_collector_while_importing(__name__)
+    prepare_imports(__name__)
     import torch  # ... the heavy imports
     ...
     if __name__ == "__main__":
@@ -12,23 +12,42 @@ Python's cyclic garbage collector makes full passes over every live object while
 Accelerate and datasets import (several passes over about half a million objects), and once more when the
 interpreter exits. A short script pays both on top of its own work; the objects involved live until the end
 anyway, so nothing is collected by those passes. As a program, a script therefore imports with the
-collector off, runs ``main`` with it on, and freezes it before exiting. Imported as a module (tests,
-notebooks), a script changes nothing.
+collector off, runs ``main`` with it on, and freezes it before exiting.
+
+While the libraries import, the warnings that an optional package transformers brings in logs about itself stay
+off the console (``QUIET_WHILE_IMPORTING``): with the ``dev`` extra installed, transformers' quantizer registry
+imports torchao, which says it failed to load its CUDA kernels on a CPU build of torch and trips a deprecation in
+torch's pytree registry; neither concerns a training script. Their loggers get their levels back before ``main``
+runs. Imported as a module (tests, notebooks), a script changes nothing.
 """
 
 import gc
+import logging
 from collections.abc import Callable
 
+# Loggers whose warnings at import time are about optional packages, not about the run
+QUIET_WHILE_IMPORTING = ("torchao", "torch.utils._pytree")
+_levels_before: dict[str, int] = {}
 
-def pause_collector_while_importing(module_name: str) -> None:
-    """Switch the cyclic collector off until ``run_program``, if ``module_name`` (the caller's ``__name__``) is
-    ``"__main__"``; call it before the heavy imports."""
-    if module_name == "__main__":
-        gc.disable()
+
+def prepare_imports(module_name: str) -> None:
+    """If ``module_name`` (the caller's ``__name__``) is ``"__main__"``: switch the cyclic collector off and quiet
+    ``QUIET_WHILE_IMPORTING`` until ``run_program``. Call it before the heavy imports."""
+    if module_name != "__main__":
+        return
+    gc.disable()
+    for name in QUIET_WHILE_IMPORTING:
+        logger = logging.getLogger(name)
+        _levels_before.setdefault(name, logger.level)
+        logger.setLevel(logging.ERROR)
 
 
 def run_program(main: Callable[[], None]) -> None:
-    """Run ``main`` with the collector on, then freeze what is left so the exit does not walk it again."""
+    """Give the quieted loggers their levels back, run ``main`` with the collector on, then freeze what is left so
+    the exit does not walk it again."""
+    while _levels_before:
+        name, level = _levels_before.popitem()
+        logging.getLogger(name).setLevel(level)
     gc.enable()
     main()
     gc.freeze()
