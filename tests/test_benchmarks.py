@@ -245,3 +245,47 @@ def test_rms_norm_times_the_training_path_against_llamas_module_and_layer_norm(t
     for row in rows:
         assert row["RMSNormFunction_us"] > 0 and row["LlamaRMSNorm_us"] > 0 and row["F.layer_norm_us"] > 0
         assert row["llama_over_ours"] == pytest.approx(row["LlamaRMSNorm_us"] / row["RMSNormFunction_us"], rel=1e-2)
+
+
+def test_nanogpt_gap_steps_compute_what_the_models_they_take_apart_compute():
+    """benchmarks.nanogpt_gap: nanoGPT with q, k, v as three layers gives nanoGPT's logits and gradients, and
+    decoderlab's modules called in sequence give ``model(input_ids=x, labels=y).loss`` (else the gap it reports
+    would compare different computations)."""
+    import torch
+
+    from benchmarks.common import SIZES, nanogpt_pairs
+    from benchmarks.nanogpt_gap import modules_loss, split_qkv
+
+    pair = nanogpt_pairs(SIZES["nano"])[0]
+    x, y = torch.randint(65, (2, 64)), torch.randint(65, (2, 64))
+    nanogpt, split = pair.reference.train(), split_qkv(pair.reference).train()
+    nanogpt(x, y)[1].backward()
+    split(x, y)[1].backward()
+    torch.testing.assert_close(split(x, y)[0], nanogpt(x, y)[0])
+    for block, split_block in zip(nanogpt.transformer.h, split.transformer.h):
+        grads = torch.cat(
+            [split_block.attn.q.weight.grad, split_block.attn.k.weight.grad, split_block.attn.v.weight.grad]
+        )
+        torch.testing.assert_close(grads, block.attn.c_attn.weight.grad)
+    decoderlab = pair.ours.train()
+    torch.testing.assert_close(modules_loss(decoderlab, x, y), decoderlab(input_ids=x, labels=y).loss)
+
+
+@pytest.mark.slow
+def test_nanogpt_gap_times_the_four_steps_against_nanogpts(tmp_path):
+    """``python -m benchmarks.nanogpt_gap``: the CPU named, the four steps timed, each ratio nanoGPT's time over the
+    row's (nanoGPT's own row 1.0)."""
+    out = tmp_path / "nanogpt_gap.json"
+    stdout = run_module(
+        "benchmarks.nanogpt_gap", "--repeats", "1", "--steps", "1", "--threads", "1", "--json_out", str(out)
+    )
+    assert stdout.startswith("CPU: ")
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["step"] for row in rows] == [
+        "nanoGPT",
+        "nanoGPT, q/k/v as three layers",
+        "decoderlab's modules, called directly",
+        "DecoderLabForCausalLM",
+    ]
+    for row in rows:
+        assert row["nanogpt_over_this"] == pytest.approx(rows[0]["ms"] / row["ms"], rel=1e-2)
