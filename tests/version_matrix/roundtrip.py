@@ -17,7 +17,7 @@ logits (atol 1e-5) and identical tokens. ``--resave-to OUT`` then saves loaded m
 version into OUT (with their references), for a later ``check`` under another release: the 16 ``resaved`` picks,
 one per position type x block layout, the attention type rotating (all 48 would add a third to the matrix's run time).
 
-Protects: issue 15's promise that a checkpoint saved under any transformers 5.12-5.24 loads and decodes
+Protects: issue 15's promise that a checkpoint saved under any transformers 5.12-5.25 loads and decodes
 identically under every other. ``run_matrix.py`` drives it across the versions' environments.
 """
 
