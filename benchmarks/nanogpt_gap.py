@@ -20,7 +20,6 @@ variants are checked to give the same loss, and so are the two decoderlab ones.
 """
 
 import copy
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +31,12 @@ from benchmarks.common import (
     load_average,
     machine_line,
     nanogpt_pairs,
+    optimizer_step_fn,
     timing_parser,
+    training_batch,
     write_timing,
 )
-from benchmarks.reference_nanogpt import NanoGPT, NanoGPTAttention, NanoGPTRecipe, make_optimizer
+from benchmarks.reference_nanogpt import NanoGPT, NanoGPTAttention
 from decoderlab import DecoderLabForCausalLM
 
 
@@ -84,8 +85,7 @@ def training_steps(seed: int = 0) -> dict:
     """The four steps of the docstring on one nano batch, after checking the losses that must agree."""
     size = SIZES["nano"]
     pair = nanogpt_pairs(size, seed)[0]
-    generator = torch.Generator().manual_seed(seed)
-    x, y = (torch.randint(size.vocab_size, (size.batch_size, size.block_size), generator=generator) for _ in "xy")
+    x, y = training_batch(size, seed)
     nanogpt, decoderlab = pair.reference.train(), pair.ours.train()
     split, direct = split_qkv(nanogpt).train(), copy.deepcopy(decoderlab).train()
     losses = {
@@ -100,19 +100,7 @@ def training_steps(seed: int = 0) -> dict:
         if abs(values[first] - values[second]) > 1e-5:
             raise RuntimeError(f"The two {what} steps compute different losses: {values[first]} and {values[second]}.")
     models = (nanogpt, split, direct, decoderlab)
-    return {name: step(model, loss) for (name, loss), model in zip(losses.items(), models)}
-
-
-def step(model: nn.Module, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """One training step of ``model`` on ``loss``: backward, fused AdamW, gradients dropped."""
-    optimizer = make_optimizer(model, NanoGPTRecipe(), fused=True)  # as benchmarks.common.train_step_fn
-
-    def call() -> None:
-        loss().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return call
+    return {name: optimizer_step_fn(model, loss) for (name, loss), model in zip(losses.items(), models)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,7 +65,7 @@ def ensure_venv(venvs: pathlib.Path, version: str, python: str) -> pathlib.Path:
             if not run(command):
                 raise RuntimeError(f"Creating {venv} failed at `{' '.join(command)}`; see {log}")
         if not run(pip + [f"transformers=={version}", "safetensors"]):
-            missing = install_without_unavailable(venv, version, run)
+            missing = install_without_unavailable(pip, version, run)
             if not missing or any(requirement_name(r) not in OPTIONAL_FOR_THE_ROUND_TRIP for r in missing):
                 raise RuntimeError(
                     f"Installing transformers=={version} into {venv} failed"
@@ -81,19 +81,19 @@ def requirement_name(requirement: str) -> str:
     return re.match(r"[A-Za-z0-9._-]*", requirement.strip())[0].lower()
 
 
-def install_without_unavailable(venv: pathlib.Path, version: str, run) -> list[str]:
-    """transformers ``version`` without its dependencies, then each requirement it declares outside its extras, one at
-    a time; returns those the package index cannot satisfy (all of them if transformers itself failed)."""
-    python, pip_install = str(venv / "bin" / "python"), ["-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    if not run([python, *pip_install, "--no-deps", f"transformers=={version}"]):
+def install_without_unavailable(pip: list[str], version: str, run) -> list[str]:
+    """transformers ``version`` without its dependencies (``pip``: the environment's ``pip install`` command), then
+    each requirement it declares outside its extras, one at a time; returns those the package index cannot satisfy
+    (none if transformers itself failed)."""
+    if not run(pip + ["--no-deps", f"transformers=={version}"]):
         return []
     listed = subprocess.run(
-        [python, "-c", "import importlib.metadata as m, json; print(json.dumps(m.requires('transformers') or []))"],
+        [pip[0], "-c", "import importlib.metadata as m, json; print(json.dumps(m.requires('transformers') or []))"],
         capture_output=True,
         text=True,
     )
     requirements = [r for r in json.loads(listed.stdout or "[]") if "extra ==" not in r]
-    return [r for r in requirements + ["safetensors"] if not run([python, *pip_install, r.split(";")[0].strip()])]
+    return [r for r in requirements + ["safetensors"] if not run(pip + [r.split(";")[0].strip()])]
 
 
 def missing_requirements(venv: pathlib.Path) -> list[str]:
