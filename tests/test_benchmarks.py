@@ -1,7 +1,9 @@
 """benchmarks/: the scripts behind the README's Performance figures run end to end and report what they claim to.
 
 Smoke tests only: one timed round each, nothing asserted about the times (speed is measured by running the
-scripts, never inside tests), only that every comparison ran, checked its pair and wrote a usable figure.
+scripts, never inside tests), only that every comparison ran, checked its pair and wrote a usable figure. And the references they compare
+against: our nanoGPT re-implementation equals decoderlab built nanoGPT-shaped with the same weights, the Llama
+and GPT-2 pairs hold the same weights, and nanoGPT's recipe (schedule, character split) is nanoGPT's.
 """
 
 import json
@@ -10,8 +12,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from benchmarks import shakespeare_char
+from benchmarks import reference_nanogpt, shakespeare_char
+from benchmarks.common import (
+    Size,
+    decoderlab_state_from_nanogpt,
+    gpt2_pair,
+    llama_pair,
+    logits,
+    max_logit_difference,
+    nanogpt_pairs,
+)
 from benchmarks.reference_nanogpt import load_char_data
 from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES, combine_runs
 from tests.paths import REPO_ROOT
@@ -289,3 +301,66 @@ def test_nanogpt_gap_times_the_four_steps_against_nanogpts(tmp_path):
     ]
     for row in rows:
         assert row["nanogpt_over_this"] == pytest.approx(rows[0]["ms"] / row["ms"], rel=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmarks' references: nanoGPT re-implemented, and the pairs with the same weights
+
+SMALL = Size(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50, block_size=16, batch_size=2)
+
+
+def test_nanogpt_reimplementation_equals_decoderlab_nanogpt_shaped():
+    """Our nanoGPT re-implementation and decoderlab configured as nanoGPT (learned positions, bias-free
+    LayerNorm, exact GELU, tied embeddings), loaded with the same weights, give the same logits: the
+    benchmark's "same weights" nanoGPT pair compares implementations, not models."""
+    same_weights = nanogpt_pairs(SMALL)[0]
+    with torch.no_grad():  # larger weights than the 0.02 init, so that a 1e-5 tolerance means something
+        for param in same_weights.reference.parameters():
+            param.normal_(0.0, 0.5)
+    same_weights.ours.load_state_dict(
+        decoderlab_state_from_nanogpt(same_weights.reference.state_dict(), SMALL.hidden_size)
+    )
+    x = torch.randint(0, SMALL.vocab_size, (3, SMALL.block_size))
+    torch.testing.assert_close(logits(same_weights.ours, x), logits(same_weights.reference, x), rtol=0, atol=1e-5)
+    assert logits(same_weights.ours, x).abs().max() > 1  # not vanishing logits
+
+
+def test_benchmark_pairs_agree():
+    """The Llama and GPT-2 pairs built for the speed benchmark hold the same weights (logits agree);
+    the Llama-shaped one exactly."""
+    assert max_logit_difference(llama_pair(SMALL), SMALL) == 0.0
+    assert max_logit_difference(gpt2_pair(SMALL), SMALL) < 1e-5
+
+
+def test_nanogpt_recipe_runs_and_reports(tmp_path):
+    """A few steps of the reference recipe: the documented keys, losses that start near ln(65) (uniform over
+    Tiny Shakespeare's 65 characters) and are finite, steps 0..max_iters inclusive, and torch's thread count
+    restored afterwards."""
+    threads = torch.get_num_threads()
+    result = reference_nanogpt.run_nanogpt_recipe(max_iters=4, eval_interval=2, eval_iters=1, num_threads=1)
+    assert torch.get_num_threads() == threads
+    assert result["steps"] == 5 and [h["iter"] for h in result["history"]] == [0, 2, 4]
+    assert abs(result["history"][0]["val"] - math.log(65)) < 0.3
+    for key in ("wall_time_s", "train_time_s", "tokens_per_s", "val_loss", "val_loss_every_window"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    assert result["model_config"]["vocab_size"] == 65 and result["recipe"]["lr_decay_iters"] == 4
+
+
+def test_nanogpt_learning_rate_schedule():
+    """nanoGPT's schedule: linear warm-up (it + 1) / (warmup + 1), cosine to min_lr at lr_decay_iters, then flat."""
+    recipe = reference_nanogpt.NanoGPTRecipe()
+    assert reference_nanogpt.learning_rate_at(0, recipe) == pytest.approx(1e-3 / 101)
+    assert reference_nanogpt.learning_rate_at(99, recipe) == pytest.approx(1e-3 * 100 / 101)
+    assert reference_nanogpt.learning_rate_at(100, recipe) == pytest.approx(1e-3)
+    assert reference_nanogpt.learning_rate_at(1050, recipe) == pytest.approx((1e-3 + 1e-4) / 2)
+    assert reference_nanogpt.learning_rate_at(2000, recipe) == pytest.approx(1e-4)
+    assert reference_nanogpt.learning_rate_at(5000, recipe) == pytest.approx(1e-4)
+
+
+def test_nanogpt_data_is_the_character_split():
+    """65 characters, the first 90% for training: the split nanoGPT's prepare.py writes."""
+    data = reference_nanogpt.load_char_data()
+    assert data.vocab_size == 65
+    assert len(data.train) == 1_003_854 and len(data.val) == 111_540
+    with pytest.raises(ValueError, match="Tiny Shakespeare not found"):
+        reference_nanogpt.load_char_data("/nonexistent/input.txt")

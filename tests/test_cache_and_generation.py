@@ -1,5 +1,5 @@
 """KV cache and generate(): cached decoding is exact, batching with left padding changes nothing,
-and transformers' decoding strategies run on the model reproducibly."""
+and transformers' decoding strategies run on the model reproducibly; a training forward builds no cache."""
 
 import copy
 from unittest.mock import patch
@@ -184,3 +184,23 @@ def test_no_repeat_ngram_is_enforced(tiny_model):
     assert repeats_a_bigram(greedy)
     constrained = model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, no_repeat_ngram_size=2)
     assert not repeats_a_bigram(constrained[0].tolist())
+
+
+def test_training_forward_builds_no_cache_unless_asked(tiny_model):
+    """In training mode with gradients on, the forward builds no KV cache (nothing would read it) unless
+    use_cache=True is passed; without gradients or in eval mode it builds one as before. Without a cache,
+    transformers' mask honours packed position_ids, so examples packed into one row of a training batch
+    attend only within themselves even when the training code does not pass use_cache=False."""
+    model = tiny_model().train()
+    x = torch.randint(0, 99, (2, 10))
+    assert model(x, labels=x).cache is None
+    assert isinstance(model(x, labels=x, use_cache=True).cache, DynamicCache)
+    with torch.no_grad():
+        assert isinstance(model(x).cache, DynamicCache)
+    assert isinstance(model.eval()(x).cache, DynamicCache)
+
+    model.train()
+    first, second = torch.randint(0, 99, (1, 5)), torch.randint(0, 99, (1, 7))
+    packed = model(torch.cat((first, second), dim=1), position_ids=torch.tensor([[*range(5), *range(7)]])).logits
+    torch.testing.assert_close(packed[:, :5], model(first).logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[:, 5:], model(second).logits, rtol=0, atol=1e-5)

@@ -3,7 +3,7 @@ machine-dependent one is chosen by measurement (never timings asserted: see benc
 
 - DecoderLabLinear: the few-rows product equals F.linear in every shape; it is chosen only where timed faster
   (a path made artificially slow loses), and never under autograd, torch.compile, other dtypes or tensor
-  subclasses; PEFT's LoRA on top is not skipped; Llama's greedy tokens with the product forced on.
+  subclasses; PEFT's LoRA on top is not skipped and still finds q_proj and v_proj; Llama's greedy tokens with the product forced on.
 - RMSNorm: training goes through a hand-written backward (``RMSNormFunction``), inference through one
   ``F.rms_norm`` call; both against LlamaRMSNorm and against autograd of the textbook formula.
 - Loss: ``causal_lm_loss`` / ``CrossEntropyFunction`` against transformers' ForCausalLMLoss, value and
@@ -186,6 +186,31 @@ def test_peft_lora_wraps_the_few_rows_path():
     torch.testing.assert_close(one_row, many_rows[:1], rtol=0, atol=1e-5)
     torch.testing.assert_close(four_rows, many_rows[:4], rtol=0, atol=1e-5)
     assert (one_row - base).abs().max() > 1e-3
+
+
+def test_peft_lora_still_targets_q_and_v_projections(tiny_model):
+    """The speed paths leave the projections as nn.Linear modules called as modules, so PEFT's LoRA on
+    q_proj/v_proj wraps them, changes the output once its B matrices are non-zero, and trains (gradients
+    reach only the adapters through the custom RMSNorm and loss backward passes)."""
+    import peft  # a dev dependency; imported here because it is slow to import
+
+    model = tiny_model()
+    x = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        before = model(x).logits
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    wrapped = {name for name, module in lora.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)}
+    assert len(wrapped) == 2 * 2 and all(name.endswith(("q_proj", "v_proj")) for name in wrapped)
+    with torch.no_grad():
+        torch.testing.assert_close(lora(x).logits, before, rtol=0, atol=0)  # B = 0: LoRA starts as identity
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1)
+        assert (lora(x).logits - before).abs().max() > 1e-3
+    lora.train()
+    lora(x, labels=x).loss.backward()
+    with_grad = {name for name, param in lora.named_parameters() if param.grad is not None}
+    assert with_grad and all("lora_" in name for name in with_grad)
 
 
 # ----------------------------------------------------------------------------------------------

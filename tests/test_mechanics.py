@@ -2,7 +2,8 @@
 
 Attention scale, position encodings (RoPE shift invariance, absolute positions, partial rotary,
 the sinusoidal table), the embedding multiplier, causality, multi-head / grouped-query / multi-query
-attention against a per-head loop written here, QK-norm, and every norm placement against its equation.
+attention against a per-head loop written here, QK-norm, every norm placement against its equation, the
+activations (GPT-2's "gelu_new" as PyTorch's fused tanh GELU) and dropout (no module when the rate is 0).
 """
 
 import math
@@ -10,11 +11,13 @@ import math
 import pytest
 import torch
 from transformers import GPTNeoXConfig, LlamaConfig
+from transformers.activations import ACT2FN
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_apply_rotary_pos_emb
 
+import decoderlab.modeling_decoderlab as modeling
 from decoderlab.modeling_decoderlab import (
     DecoderLabAttention,
     DecoderLabForCausalLM,
@@ -408,3 +411,29 @@ def test_each_block_equals_its_equation(tiny_model, block_variant, norm_type):
             hidden = model.model.norm(hidden)
         torch.testing.assert_close(model(x).logits, model.lm_head(hidden), rtol=0, atol=1e-4)
     assert (variant == "post") == (sum(p.numel() for p in model.model.norm.parameters()) == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation and dropout
+
+
+def test_gelu_new_runs_as_pytorchs_tanh_gelu():
+    """GPT-2's "gelu_new" becomes PyTorch's fused tanh-approximation GELU: the same formula."""
+    x = torch.linspace(-8, 8, 1001)
+    assert type(modeling.activation("gelu_new")) is type(ACT2FN["gelu_pytorch_tanh"])
+    torch.testing.assert_close(modeling.activation("gelu_new")(x), ACT2FN["gelu_new"](x), rtol=0, atol=1e-6)
+    assert type(modeling.activation("silu")) is type(ACT2FN["silu"])
+
+
+def test_dropout_modules_only_when_dropout_is_set(tiny_model):
+    """hidden_dropout=0 leaves the layers and the embeddings without a dropout module (nothing to call); a
+    positive rate still drops in training mode and not in eval mode."""
+    x = torch.randint(0, 99, (2, 10))
+    plain = tiny_model()
+    assert plain.model.dropout is None and all(layer.dropout is None for layer in plain.model.layers)
+    dropping = tiny_model(hidden_dropout=0.5)
+    assert dropping.model.dropout.p == 0.5 and all(layer.dropout.p == 0.5 for layer in dropping.model.layers)
+    with torch.no_grad():
+        assert torch.equal(dropping(x).logits, dropping(x).logits)
+        dropping.train()
+        assert not torch.equal(dropping(x).logits, dropping(x).logits)
