@@ -1,9 +1,11 @@
 """benchmarks/: the scripts behind the README's Performance figures run end to end and report what they claim to.
 
 Smoke tests only: one timed round each, nothing asserted about the times (speed is measured by running the
-scripts, never inside tests), only that every comparison ran, checked its pair and wrote a usable figure. And the references they compare
-against: our nanoGPT re-implementation equals decoderlab built nanoGPT-shaped with the same weights, the Llama
-and GPT-2 pairs hold the same weights, and nanoGPT's recipe (schedule, character split) is nanoGPT's.
+scripts, never inside tests), only that every comparison ran, checked its pair and wrote a usable figure.
+
+And the references they compare against: our nanoGPT re-implementation equals decoderlab built nanoGPT-shaped
+with the same weights, the Llama and GPT-2 pairs hold the same weights, and nanoGPT's recipe (schedule,
+character split) is nanoGPT's.
 """
 
 import json
@@ -24,7 +26,6 @@ from benchmarks.common import (
     max_logit_difference,
     nanogpt_pairs,
 )
-from benchmarks.reference_nanogpt import load_char_data
 from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES, combine_runs
 from tests.paths import REPO_ROOT
 from tests.training_runs import char_tokenizer_without_special_tokens
@@ -43,7 +44,7 @@ def test_loss_comparison_accepts_nanogpts_characters_then_special_tokens_only():
     """The every-window loss compares with nanoGPT's only for its 65 sorted characters at ids 0..64: the
     scripts' tokenizer (then <|endoftext|>) and one made before it had that token pass; a character vocabulary
     of other text, a BPE, and the 65 characters followed by an ordinary token are refused."""
-    chars = load_char_data().chars
+    chars = reference_nanogpt.load_char_data().chars
     assert shakespeare_char.same_characters(train_char_tokenizer([chars]), chars)
     assert shakespeare_char.same_characters(char_tokenizer_without_special_tokens([chars]), chars)
     assert not shakespeare_char.same_characters(train_char_tokenizer([chars[1:]]), chars)

@@ -17,11 +17,11 @@ from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb 
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_apply_rotary_pos_emb
 
-import decoderlab.modeling_decoderlab as modeling
 from decoderlab.modeling_decoderlab import (
     DecoderLabAttention,
     DecoderLabForCausalLM,
     DecoderLabRotaryEmbedding,
+    activation,
     apply_rotary_pos_emb,
 )
 
@@ -420,9 +420,9 @@ def test_each_block_equals_its_equation(tiny_model, block_variant, norm_type):
 def test_gelu_new_runs_as_pytorchs_tanh_gelu():
     """GPT-2's "gelu_new" becomes PyTorch's fused tanh-approximation GELU: the same formula."""
     x = torch.linspace(-8, 8, 1001)
-    assert type(modeling.activation("gelu_new")) is type(ACT2FN["gelu_pytorch_tanh"])
-    torch.testing.assert_close(modeling.activation("gelu_new")(x), ACT2FN["gelu_new"](x), rtol=0, atol=1e-6)
-    assert type(modeling.activation("silu")) is type(ACT2FN["silu"])
+    assert type(activation("gelu_new")) is type(ACT2FN["gelu_pytorch_tanh"])
+    torch.testing.assert_close(activation("gelu_new")(x), ACT2FN["gelu_new"](x), rtol=0, atol=1e-6)
+    assert type(activation("silu")) is type(ACT2FN["silu"])
 
 
 def test_dropout_modules_only_when_dropout_is_set(tiny_model):
