@@ -3,7 +3,8 @@ machine-dependent one is chosen by measurement (never timings asserted: see benc
 
 - DecoderLabLinear: the few-rows product equals F.linear in every shape; it is chosen only where timed faster
   (a path made artificially slow loses), and never under autograd, torch.compile, other dtypes or tensor
-  subclasses; PEFT's LoRA on top is not skipped and still finds q_proj and v_proj; Llama's greedy tokens with the product forced on.
+  subclasses; PEFT's LoRA on top is not skipped and still finds q_proj and v_proj; Llama's greedy tokens with
+  the product forced on.
 - RMSNorm: training goes through a hand-written backward (``RMSNormFunction``), inference through one
   ``F.rms_norm`` call; both against LlamaRMSNorm and against autograd of the textbook formula.
 - Loss: ``causal_lm_loss`` / ``CrossEntropyFunction`` against transformers' ForCausalLMLoss, value and
