@@ -26,7 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from benchmarks.reference_nanogpt import NanoGPT, NanoGPTConfig, NanoGPTRecipe, make_optimizer
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.convert import FROM, decoderlab_config_from_gpt2, llama_config_from_decoderlab
+from decoderlab.export.families import FROM, decoderlab_config_from_gpt2, llama_config_from_decoderlab
 from training.checkpointing import cpu_model
 
 
@@ -86,13 +86,13 @@ def _ready(model: nn.Module) -> nn.Module:
 
 
 def llama_configs(size: Size) -> tuple[DecoderLabConfig, LlamaConfig]:
-    """decoderlab's ``llama`` preset and the LlamaConfig computing the same (``decoderlab.convert``)."""
+    """decoderlab's ``llama`` preset and the LlamaConfig computing the same (``decoderlab.export.families``)."""
     config = DecoderLabConfig.from_preset("llama", **_shape(size), max_position_embeddings=MAX_POSITIONS)
     return config, llama_config_from_decoderlab(config)
 
 
 def gpt2_configs(size: Size) -> tuple[DecoderLabConfig, GPT2Config]:
-    """GPT-2 without dropout, and its decoderlab config (``decoderlab.convert``)."""
+    """GPT-2 without dropout, and its decoderlab config (``decoderlab.export.families``)."""
     gpt2_config = GPT2Config(
         n_layer=size.num_hidden_layers,
         n_embd=size.hidden_size,
@@ -120,7 +120,7 @@ def llama_pair(size: Size, seed: int = 0) -> Pair:
 
 def gpt2_pair(size: Size, seed: int = 0) -> Pair:
     """transformers' GPT2LMHeadModel (SDPA) and decoderlab converted from it (Conv1D weights transposed,
-    c_attn split into q/k/v) with ``decoderlab.convert``'s mapping."""
+    c_attn split into q/k/v) with ``decoderlab.export.families``' mapping."""
     torch.manual_seed(seed)
     config, gpt2_config = gpt2_configs(size)
     reference = GPT2LMHeadModel(gpt2_config)

@@ -1,5 +1,5 @@
-"""Exports a model to ONNX and ExecuTorch through ``decoderlab.export`` and measures how far each runtime's logits
-are from the model's, and how big each file is: the figures of the README's "Export formats" table.
+"""Exports a model to ONNX and ExecuTorch through ``decoderlab.export.onnx_executorch`` and measures how far each
+runtime's logits are from the model's, and how big each file is: the figures of the README's "Export formats" table.
 
     python -m benchmarks.export_formats                       # the two benchmark shapes below, random weights
     python -m benchmarks.export_formats --checkpoint out/shakespeare_char
@@ -26,7 +26,7 @@ from transformers.cache_utils import StaticCache
 
 from benchmarks.common import machine_line
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.export import export_executorch, export_onnx
+from decoderlab.export.onnx_executorch import export_executorch, export_onnx
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.common import machine_line
-from decoderlab.gguf_export import OUTTYPES, convert_to_gguf
+from decoderlab.export.gguf_file import OUTTYPES, convert_to_gguf
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"

@@ -27,7 +27,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.convert import llama_config_from_decoderlab
+from decoderlab.export.families import llama_config_from_decoderlab
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
