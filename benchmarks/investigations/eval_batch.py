@@ -1,7 +1,8 @@
 """Evaluation speed of the default recipe's model against the evaluation batch size, on this machine.
 
-    python -m benchmarks.eval_batch                      # about 30 seconds on 2 cores
-    python -m benchmarks.eval_batch --batch_sizes 16,32,64,128,256 --json_out benchmarks/results/eval_batch.json
+    python -m benchmarks.investigations.eval_batch                      # about 30 seconds on 2 cores
+    python -m benchmarks.investigations.eval_batch --batch_sizes 16,32,64,128,256 \
+        --json_out benchmarks/results/eval_batch.json
 
 The model is ``training/configs/shakespeare_char.yaml``'s architecture (untrained: the speed of a forward does
 not depend on the weights) over blocks of its ``block_size``; each batch size runs the forward with the loss,
