@@ -28,7 +28,7 @@ from benchmarks.common import cpu_features, machine_line, write_results
 from training.data import tiny_shakespeare
 from training.loop import METRICS_NAME, read_metrics
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
 
 SIZES = {

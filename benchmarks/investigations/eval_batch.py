@@ -20,7 +20,7 @@ from benchmarks.common import interleaved_medians, load_average, machine_line, t
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from training.args import TrainConfig, parse_config
 
-RECIPE = pathlib.Path(__file__).resolve().parents[1] / "training" / "configs" / "shakespeare_char.yaml"
+RECIPE = pathlib.Path(__file__).resolve().parents[2] / "training" / "configs" / "shakespeare_char.yaml"
 VOCAB_SIZE = 66  # the recipe's character vocabulary: the 65 characters of Tiny Shakespeare and <|endoftext|>
 
 
