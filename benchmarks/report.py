@@ -51,7 +51,8 @@ class Table:
 
 
 def number(x: float) -> str:
-    """A figure as the tables print it: thousands separated, three significant digits below 100."""
+    """A figure as the tables print it: whole and thousands-separated from 1000, one decimal from 10, two from 1,
+    three significant digits below."""
     if abs(x) >= 1000:
         return f"{x:,.0f}"
     if abs(x) >= 10:
