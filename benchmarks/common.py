@@ -8,6 +8,7 @@ implementation and nothing else.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -26,8 +27,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from benchmarks.reference_nanogpt import NanoGPT, NanoGPTConfig, NanoGPTRecipe, make_optimizer
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.convert import FROM, decoderlab_config_from_gpt2, llama_config_from_decoderlab
-from training.checkpointing import cpu_model
+from decoderlab.export.families import FROM, decoderlab_config_from_gpt2, llama_config_from_decoderlab
+from training.checkpointing import cpu_model, git_commit, package_versions
+
+# where results files live, relative to the repository root
+RESULTS_DIR = "benchmarks/results"
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,13 @@ def _ready(model: nn.Module) -> nn.Module:
 
 
 def llama_configs(size: Size) -> tuple[DecoderLabConfig, LlamaConfig]:
-    """decoderlab's ``llama`` preset and the LlamaConfig computing the same (``decoderlab.convert``)."""
+    """decoderlab's ``llama`` preset and the LlamaConfig computing the same (``decoderlab.export.families``)."""
     config = DecoderLabConfig.from_preset("llama", **_shape(size), max_position_embeddings=MAX_POSITIONS)
     return config, llama_config_from_decoderlab(config)
 
 
 def gpt2_configs(size: Size) -> tuple[DecoderLabConfig, GPT2Config]:
-    """GPT-2 without dropout, and its decoderlab config (``decoderlab.convert``)."""
+    """GPT-2 without dropout, and its decoderlab config (``decoderlab.export.families``)."""
     gpt2_config = GPT2Config(
         n_layer=size.num_hidden_layers,
         n_embd=size.hidden_size,
@@ -120,7 +124,7 @@ def llama_pair(size: Size, seed: int = 0) -> Pair:
 
 def gpt2_pair(size: Size, seed: int = 0) -> Pair:
     """transformers' GPT2LMHeadModel (SDPA) and decoderlab converted from it (Conv1D weights transposed,
-    c_attn split into q/k/v) with ``decoderlab.convert``'s mapping."""
+    c_attn split into q/k/v) with ``decoderlab.export.families``' mapping."""
     torch.manual_seed(seed)
     config, gpt2_config = gpt2_configs(size)
     reference = GPT2LMHeadModel(gpt2_config)
@@ -321,13 +325,39 @@ def timing_parser(doc: str, repeats: int = 7) -> argparse.ArgumentParser:
     return parser
 
 
+def provenance(threads: int) -> dict:
+    """What a figure was measured with, the first field of every results JSON: the code (commit, and whether the
+    checkout had uncommitted changes outside benchmarks/results), the date, the CPU (model, vector extensions,
+    cores), the torch threads, the GPU if any, and the library versions. ``benchmarks.report`` prints it above each
+    table."""
+    return {
+        "recorded": "at run time",
+        **git_commit(ignore=(RESULTS_DIR,)),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "cpu_features": cpu_features(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "versions": package_versions(),
+    }
+
+
+def write_results(path: str | os.PathLike, result: dict, threads: int) -> None:
+    """Write a benchmark's ``result`` to ``path`` as JSON, ``provenance(threads)`` first: the one writer of
+    every results file."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"provenance": provenance(threads), **result}, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def write_timing(json_out: str | None, threads: int, load_before: float, **fields) -> None:
     """Write a timing's ``fields`` to ``json_out`` (when given) after the machine line and the load average before
-    and after, the preamble every benchmark's JSON starts with."""
+    and after, the preamble every benchmark's JSON starts with (after its provenance)."""
     if json_out:
         result = {"machine": machine_line(threads), "load_average": [load_before, load_average()], **fields}
-        pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {json_out}")
+        write_results(json_out, result, threads)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Exports a model to ONNX and ExecuTorch through ``decoderlab.export`` and measures how far each runtime's logits
-are from the model's, and how big each file is: the figures of the README's "Export formats" table.
+"""Exports a model to ONNX and ExecuTorch through ``decoderlab.export.onnx_executorch`` and measures how far each
+runtime's logits are from the model's, and how big each file is: the figures of the README's "Export formats" table.
 
     python -m benchmarks.export_formats                       # the two benchmark shapes below, random weights
     python -m benchmarks.export_formats --checkpoint out/shakespeare_char
@@ -13,7 +13,6 @@ against eager decoding with a StaticCache. Results go to benchmarks/results/expo
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import tempfile
 import time
@@ -24,9 +23,9 @@ import torch
 from executorch.runtime import Runtime
 from transformers.cache_utils import StaticCache
 
-from benchmarks.common import machine_line
+from benchmarks.common import machine_line, write_results
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.export import export_executorch, export_onnx
+from decoderlab.export.onnx_executorch import export_executorch, export_onnx
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": torch.get_num_threads(),
         "rows": rows,
     }
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_results(args.output, result, torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.common import machine_line
-from decoderlab.gguf_export import OUTTYPES, convert_to_gguf
+from benchmarks.common import machine_line, write_results
+from decoderlab.export.gguf_file import OUTTYPES, convert_to_gguf
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
@@ -102,7 +102,7 @@ def main() -> None:
         "max_abs_logit": max(r.abs().max().item() for r in reference),
         "outtypes": rows,
     }
-    args.results.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.results, results, torch.get_num_threads())
     print(
         "| outtype | file size | transformers: max logit diff | llama.cpp: max last-token logit diff | llama.cpp greedy tokens equal |"
     )

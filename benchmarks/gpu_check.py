@@ -42,7 +42,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from benchmarks.common import Size, llama_pair
+from benchmarks.common import Size, llama_pair, write_results
 from benchmarks.gpu_mfu import H200_BF16_DENSE_TFLOPS, build_models, flops_per_token, train_throughput
 from decoderlab.model_card import METRICS_NAME, read_metrics
 from training.data import tiny_shakespeare
@@ -342,12 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     print(table(rows))
     print(f"total {total:.0f} s")
-    json_out.parent.mkdir(parents=True, exist_ok=True)
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
               "dry_run": args.dry_run, "total_s": round(total, 1), "peak_tflops": args.peak_tflops,
               "rows": [asdict(row) for row in rows]}  # fmt: skip
-    json_out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"Wrote {json_out}")
+    write_results(json_out, report, torch.get_num_threads())
     return 1 if any(row.passed is False for row in rows) else 0
 
 

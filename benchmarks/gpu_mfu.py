@@ -19,15 +19,15 @@ the H100 SXM's); ``--peak_tflops`` for another GPU. The target in the issue is M
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaForCausalLM
 
+from benchmarks.common import write_results
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.convert import llama_config_from_decoderlab
+from decoderlab.export.families import llama_config_from_decoderlab
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -144,9 +144,8 @@ def main() -> None:
             ratio = results[f"decoderlab-{mode}"]["tokens_per_s"] / results[f"llama-{mode}"]["tokens_per_s"]
             print(f"decoderlab / Llama, {mode}: {ratio:.3f}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "flops_per_token": fpt, "results": results}
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.json, report, torch.get_num_threads())
 
 
 if __name__ == "__main__":

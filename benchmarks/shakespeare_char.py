@@ -41,7 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
-from benchmarks.common import cpu_features, load_average
+from benchmarks.common import cpu_features, load_average, write_results
 from benchmarks.reference_nanogpt import load_char_data, windowed_val_loss
 from training.checkpointing import cpu_model
 from training.data import tiny_shakespeare
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{results['ratio_loop']:.2f}x; loss <= {TARGET_LOSS} in no more time: {'yes' if results['wins'] else 'no'}"
         )
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.json_out, results, args.num_threads)
 
 
 if __name__ == "__main__":

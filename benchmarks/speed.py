@@ -62,6 +62,7 @@ from benchmarks.common import (
     peak_training_memory,
     prefill_fn,
     train_step_fn,
+    write_results,
 )
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "speed.json"
@@ -413,11 +414,9 @@ def main() -> None:
         argv += (["--quick"] if args.quick else []) + (["--repeats", str(args.repeats)] if args.repeats else [])
         print(machine_line(args.threads), flush=True)
         report = run_in_fresh_processes(argv, args.runs, args.threads)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
         print()
         print(format_combined(report["results"]))
-        print(f"\nwrote {args.json}")
+        write_results(args.json, report, args.threads)
         return
     sizes = args.sizes or (["nano"] if args.quick else list(SIZES))
     repeats = args.repeats or (3 if args.quick else 7)
@@ -431,7 +430,6 @@ def main() -> None:
         "repeats": repeats,
         "results": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     print(machine_line(args.threads), flush=True)
     for size_name in sizes:
         for benchmark in args.benchmarks:
@@ -448,10 +446,9 @@ def main() -> None:
                 new_rows = bench_compile(size_name, repeats, args.quick)
             print(format_table(new_rows, header=False), flush=True)
             rows += new_rows
-            args.json.write_text(json.dumps(report, indent=2) + "\n")  # after each benchmark: a crash keeps the rest
+            write_results(args.json, report, args.threads)  # after each benchmark: a crash keeps the rest
     print()
     print(format_table(rows))
-    print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

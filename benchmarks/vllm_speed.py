@@ -99,7 +99,7 @@ def main() -> None:
 
     import torch
 
-    from benchmarks.common import SIZES, cpu_model, load_average, machine_line
+    from benchmarks.common import SIZES, cpu_model, load_average, machine_line, write_results
     from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -171,9 +171,7 @@ def main() -> None:
         "samples_s": {"generate": generate, "vllm": vllm["results"]},
         "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_results(args.json, report, args.threads)
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 # From this many logits on, the loss goes through CrossEntropyFunction, for its two fewer (N, V) float32 buffers
 # (64 MiB each at the threshold); below, through F.cross_entropy, transformers' own call, the faster one at small
-# vocabularies (`python -m benchmarks.loss_paths` times both on this machine)
+# vocabularies (`python -m benchmarks.investigations.loss_paths` times both on this machine)
 LEAN_LOSS_MIN_LOGITS = 2**24
 
 

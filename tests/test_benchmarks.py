@@ -8,6 +8,7 @@ with the same weights, the Llama and GPT-2 pairs hold the same weights, and nano
 character split) is nanoGPT's.
 """
 
+import datetime
 import json
 import math
 import subprocess
@@ -15,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from benchmarks import reference_nanogpt, shakespeare_char
 from benchmarks.common import (
@@ -25,10 +27,12 @@ from benchmarks.common import (
     logits,
     max_logit_difference,
     nanogpt_pairs,
+    write_timing,
 )
 from benchmarks.speed import BENCHMARKS, COMPILE_BATCHES, combine_runs
 from tests.paths import REPO_ROOT
 from tests.training_runs import char_tokenizer_without_special_tokens
+from training.checkpointing import git_commit
 from training.data import train_bpe_tokenizer, train_char_tokenizer
 
 
@@ -134,9 +138,11 @@ def test_speed_quick_run_writes_every_comparison(tmp_path):
 
 @pytest.mark.slow
 def test_profile_step_reports_the_breakdowns():
-    """``python -m benchmarks.profile_step`` at nano (one profiled step): the matmul share of a training step for
-    both models, the decoding breakdown, and the linear layers alone."""
-    stdout = run_module("benchmarks.profile_step", "--sizes", "nano", "--steps", "1", "--decode_repeats", "1")
+    """``python -m benchmarks.investigations.profile_step`` at nano (one profiled step): the matmul share of a
+    training step for both models, the decoding breakdown, and the linear layers alone."""
+    stdout = run_module(
+        "benchmarks.investigations.profile_step", "--sizes", "nano", "--steps", "1", "--decode_repeats", "1"
+    )
     for model in ("decoderlab", "LlamaForCausalLM"):
         assert any(line.strip().startswith(model) and "matmuls" in line for line in stdout.splitlines())
     assert "generate's own work" in stdout and "PyTorch ops per forward" in stdout
@@ -218,27 +224,27 @@ def test_shakespeare_char_reports_both_wall_times_the_cpu_and_the_ratios(tmp_pat
 
 @pytest.mark.slow
 def test_eval_batch_times_every_batch_size_against_the_recipes(tmp_path):
-    """``python -m benchmarks.eval_batch``: one rate per batch size, the recipe's own among them at 1.00x, the CPU
-    named; a block count that some batch size does not divide is refused by name."""
+    """``python -m benchmarks.investigations.eval_batch``: one rate per batch size, the recipe's own among them at
+    1.00x, the CPU named; a block count that some batch size does not divide is refused by name."""
     out = tmp_path / "eval_batch.json"
-    stdout = run_module("benchmarks.eval_batch", "--batch_sizes", "16", "--blocks", "32", "--repeats", "1",
-                        "--threads", "1", "--json_out", str(out))  # fmt: skip
+    stdout = run_module("benchmarks.investigations.eval_batch", "--batch_sizes", "16", "--blocks", "32",
+                        "--repeats", "1", "--threads", "1", "--json_out", str(out))  # fmt: skip
     assert stdout.startswith("CPU: ")
     result = json.loads(out.read_text())
     chosen = str(result["recipe_batch_size"])
     assert set(result["tokens_per_s"]) == {"16", chosen} and all(v > 0 for v in result["tokens_per_s"].values())
     assert any(line.split()[:1] == [chosen] and line.endswith("1.00x") for line in stdout.splitlines())
-    failed = subprocess.run([sys.executable, "-m", "benchmarks.eval_batch", "--batch_sizes", "24", "--blocks", "32"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    command = [sys.executable, "-m", "benchmarks.investigations.eval_batch", "--batch_sizes", "24", "--blocks", "32"]
+    failed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert failed.returncode != 0 and "must be a multiple of every batch size" in failed.stderr
 
 
 @pytest.mark.slow
 def test_char_packing_times_both_encodings_of_the_same_ids(tmp_path):
-    """``python -m benchmarks.char_packing``: the CPU named, both encodings of the train split timed (it exits
-    before timing if their ids differ), the ratio their quotient."""
+    """``python -m benchmarks.investigations.char_packing``: the CPU named, both encodings of the train split timed
+    (it exits before timing if their ids differ), the ratio their quotient."""
     out = tmp_path / "char_packing.json"
-    stdout = run_module("benchmarks.char_packing", "--repeats", "1", "--json_out", str(out))
+    stdout = run_module("benchmarks.investigations.char_packing", "--repeats", "1", "--json_out", str(out))
     assert stdout.startswith("CPU: ") and "the same ids from both" in stdout
     result = json.loads(out.read_text())
     assert result["characters"] == 1_003_854
@@ -248,10 +254,13 @@ def test_char_packing_times_both_encodings_of_the_same_ids(tmp_path):
 
 @pytest.mark.slow
 def test_rms_norm_times_the_training_path_against_llamas_module_and_layer_norm(tmp_path):
-    """``python -m benchmarks.rms_norm``: the CPU named, the three norms timed at every shape (it exits before timing
-    if RMSNormFunction's gradients differ from autograd's through LlamaRMSNorm), the ratio their quotient."""
+    """``python -m benchmarks.investigations.rms_norm``: the CPU named, the three norms timed at every shape (it
+    exits before timing if RMSNormFunction's gradients differ from autograd's through LlamaRMSNorm), the ratio their
+    quotient."""
     out = tmp_path / "rms_norm.json"
-    stdout = run_module("benchmarks.rms_norm", "--repeats", "1", "--threads", "1", "--json_out", str(out))
+    stdout = run_module(
+        "benchmarks.investigations.rms_norm", "--repeats", "1", "--threads", "1", "--json_out", str(out)
+    )
     assert stdout.startswith("CPU: ")
     rows = json.loads(out.read_text())["rows"]
     assert [row["dims"][-1] for row in rows] == [128, 32, 384]
@@ -261,13 +270,13 @@ def test_rms_norm_times_the_training_path_against_llamas_module_and_layer_norm(t
 
 
 def test_nanogpt_gap_steps_compute_what_the_models_they_take_apart_compute():
-    """benchmarks.nanogpt_gap: nanoGPT with q, k, v as three layers gives nanoGPT's logits and gradients, and
-    decoderlab's modules called in sequence give ``model(input_ids=x, labels=y).loss`` (else the gap it reports
-    would compare different computations)."""
+    """benchmarks.investigations.nanogpt_gap: nanoGPT with q, k, v as three layers gives nanoGPT's logits and
+    gradients, and decoderlab's modules called in sequence give ``model(input_ids=x, labels=y).loss`` (else the gap
+    it reports would compare different computations)."""
     import torch
 
     from benchmarks.common import SIZES, nanogpt_pairs
-    from benchmarks.nanogpt_gap import modules_loss, split_qkv
+    from benchmarks.investigations.nanogpt_gap import modules_loss, split_qkv
 
     pair = nanogpt_pairs(SIZES["nano"])[0]
     x, y = torch.randint(65, (2, 64)), torch.randint(65, (2, 64))
@@ -286,12 +295,11 @@ def test_nanogpt_gap_steps_compute_what_the_models_they_take_apart_compute():
 
 @pytest.mark.slow
 def test_nanogpt_gap_times_the_four_steps_against_nanogpts(tmp_path):
-    """``python -m benchmarks.nanogpt_gap``: the CPU named, the four steps timed, each ratio nanoGPT's time over the
-    row's (nanoGPT's own row 1.0)."""
+    """``python -m benchmarks.investigations.nanogpt_gap``: the CPU named, the four steps timed, each ratio nanoGPT's
+    time over the row's (nanoGPT's own row 1.0)."""
     out = tmp_path / "nanogpt_gap.json"
-    stdout = run_module(
-        "benchmarks.nanogpt_gap", "--repeats", "1", "--steps", "1", "--threads", "1", "--json_out", str(out)
-    )
+    stdout = run_module("benchmarks.investigations.nanogpt_gap", "--repeats", "1", "--steps", "1", "--threads", "1",
+                        "--json_out", str(out))  # fmt: skip
     assert stdout.startswith("CPU: ")
     rows = json.loads(out.read_text())["rows"]
     assert [row["step"] for row in rows] == [
@@ -365,3 +373,21 @@ def test_nanogpt_data_is_the_character_split():
     assert len(data.train) == 1_003_854 and len(data.val) == 111_540
     with pytest.raises(ValueError, match="Tiny Shakespeare not found"):
         reference_nanogpt.load_char_data("/nonexistent/input.txt")
+
+
+def test_every_results_file_starts_with_what_reproduces_it(tmp_path):
+    """``write_timing`` (every benchmark's JSON writer goes through ``write_results``) records the checkout's commit
+    and whether it had uncommitted changes, the date, the CPU, the threads and the library versions, before the
+    figures; issue 33: no results file may lack them."""
+    out = tmp_path / "timing.json"
+    write_timing(str(out), 3, 0.5, rows=[{"ratio": 1.0}])
+    result = json.loads(out.read_text())
+    assert list(result)[:4] == ["provenance", "machine", "load_average", "rows"]
+    provenance = result["provenance"]
+    assert provenance["recorded"] == "at run time"
+    assert provenance["commit"] == git_commit()["commit"] and len(provenance["commit"]) == 40
+    assert isinstance(provenance["dirty"], bool)
+    assert datetime.datetime.fromisoformat(provenance["date"]).tzinfo is not None
+    assert provenance["cpu"] and provenance["threads"] == 3 and provenance["cores"] >= 1
+    assert provenance["versions"]["torch"] == torch.__version__
+    assert provenance["versions"]["transformers"] == transformers.__version__

@@ -1,4 +1,5 @@
-"""decoderlab.convert: Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, and decoderlab to Llama and Qwen3.
+"""decoderlab.export.families (and its command, decoderlab.convert): Llama / GPT-2 / GPT-NeoX checkpoints to
+decoderlab, and decoderlab to Llama and Qwen3.
 
 The reference is always transformers' own implementation: a random-weight LlamaForCausalLM,
 GPT2LMHeadModel or GPTNeoXForCausalLM built here, saved, converted, and compared logit for logit
@@ -28,14 +29,8 @@ from transformers import (
 )
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
-from decoderlab.convert import (
-    convert_from,
-    convert_to_llama,
-    convert_to_qwen3,
-    llama_config_from_decoderlab,
-    main,
-    qwen3_config_from_decoderlab,
-)
+from decoderlab.convert import convert_from, convert_to_llama, convert_to_qwen3, main
+from decoderlab.export.families import llama_config_from_decoderlab, qwen3_config_from_decoderlab
 
 VOCAB = 99
 SIZES = dict(vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=None, eos_token_id=None)

@@ -1,4 +1,4 @@
-"""decoderlab.export: ONNX models and ExecuTorch programs, each run by its own runtime and compared with the model.
+"""decoderlab.export.onnx_executorch: ONNX models and ExecuTorch programs, each run by its own runtime and compared with the model.
 
 The references are the eager model's logits (float32): without a cache for ONNX, and prefill plus greedy decoding
 steps with transformers' StaticCache for the torch.export and ExecuTorch programs, which keep that cache inside.
@@ -17,9 +17,9 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaF
 from transformers.cache_utils import StaticCache
 
 from decoderlab import DecoderLabForCausalLM
-from decoderlab import export as export_module
 from decoderlab.convert import main
-from decoderlab.export import export_onnx, export_static_cache, longest_input
+from decoderlab.export import onnx_executorch
+from decoderlab.export.onnx_executorch import export_onnx, export_static_cache, longest_input
 
 DECODING_STEPS = 10
 MAX_CACHE_LEN = 48
@@ -237,7 +237,7 @@ def test_a_failed_write_leaves_nothing_behind(tiny_model, tmp_path, monkeypatch)
             path.write_bytes(b"half")
             raise OSError("No space left on device")
 
-    monkeypatch.setattr(export_module, "onnx_program", lambda model: HalfWritten())
+    monkeypatch.setattr(onnx_executorch, "onnx_program", lambda model: HalfWritten())
     with pytest.raises(OSError, match="No space left"):
         export_onnx(source, out)
     assert list(out.parent.iterdir()) == []

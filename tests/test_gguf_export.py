@@ -1,4 +1,4 @@
-"""decoderlab.gguf_export: decoderlab checkpoints as GGUF files, checked by two readers nobody here wrote.
+"""decoderlab.export.gguf_file: decoderlab checkpoints as GGUF files, checked by two readers nobody here wrote.
 
 1. transformers' GGUF loader (``from_pretrained(DIR, gguf_file=NAME)``, which builds a LlamaForCausalLM, q/k
    de-interleaved, or for QK-norm models a Qwen3ForCausalLM, from llama.cpp's metadata keys) must give
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Tokenizer
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.convert import main
-from decoderlab.gguf_export import convert_to_gguf, interleave_rope_rows
+from decoderlab.export.gguf_file import convert_to_gguf, interleave_rope_rows
 from tests.paths import INPUT_TXT, REPO_ROOT
 from training.data import EOS_TOKEN, train_bpe_tokenizer, train_char_tokenizer
 
@@ -379,7 +379,7 @@ def test_cli_writes_the_file_and_reports_errors(char_checkpoint, tmp_path, caplo
     """`python -m decoderlab.convert --to gguf SRC OUT --outtype q8_0` writes OUT and logs its summary; a refused
     export exits with status 1 and the error, not a traceback."""
     out = tmp_path / "m.gguf"
-    with caplog.at_level("INFO", logger="decoderlab.gguf_export"):
+    with caplog.at_level("INFO", logger="decoderlab.export.gguf_file"):
         main(["--to", "gguf", str(char_checkpoint), str(out), "--outtype", "q8_0"])
     assert out.read_bytes()[:4] == b"GGUF" and f"Wrote {out}" in caplog.text and "q8_0" in caplog.text
     with pytest.raises(SystemExit) as exit:

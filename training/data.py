@@ -186,7 +186,8 @@ def train_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
 class CharEncoder:
     """The ids a character tokenizer of ``train_char_tokenizer``'s kind gives, looked up in a table of code points:
     the tokenizer's own ids without its regex split of the text into one-character words, the slow part of
-    packing (``python -m benchmarks.char_packing`` times both). ``of`` returns None for any other tokenizer."""
+    packing (``python -m benchmarks.investigations.char_packing`` times both). ``of`` returns None for any other
+    tokenizer."""
 
     def __init__(self, vocab: dict[str, int], special_tokens: list[str]):
         self.table = np.full(max(map(ord, vocab)) + 2, -1, dtype=np.int64)  # the last entry: beyond every character

@@ -1,7 +1,7 @@
 """The two ways the default recipe's character tokenizer can encode Tiny Shakespeare, timed on this machine.
 
-    python -m benchmarks.char_packing                # about 15 seconds
-    python -m benchmarks.char_packing --json_out benchmarks/results/char_packing.json
+    python -m benchmarks.investigations.char_packing                # about 15 seconds
+    python -m benchmarks.investigations.char_packing --json_out benchmarks/results/char_packing.json
 
 ``training.data.pack`` encodes the text of a character tokenizer (``train_char_tokenizer``'s kind) with
 ``CharEncoder``, a table lookup from code points to ids, instead of the tokenizer's own call, which splits the
@@ -12,13 +12,11 @@ tokenizer, on a run's first start: ``datasets`` caches the blocks for the runs a
 """
 
 import argparse
-import json
-import pathlib
 
 import datasets
 import torch
 
-from benchmarks.common import interleaved_medians, load_average, machine_line
+from benchmarks.common import interleaved_medians, load_average, machine_line, write_results
 from training.data import CharEncoder, tiny_shakespeare, train_char_tokenizer
 
 
@@ -51,8 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         result = {"machine": machine, "load_average": [load_before, load_average()],
                   "characters": len(text), "tokenizer_ms": round(slow * 1e3, 2),
                   "char_encoder_ms": round(fast * 1e3, 2), "ratio": round(slow / fast, 1)}  # fmt: skip
-        pathlib.Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
+        write_results(args.json_out, result, torch.get_num_threads())
 
 
 if __name__ == "__main__":

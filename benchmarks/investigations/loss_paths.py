@@ -1,7 +1,7 @@
 """The two paths of decoderlab's training loss, timed against each other on this machine.
 
-    python -m benchmarks.loss_paths                  # about 20 seconds on 2 cores
-    python -m benchmarks.loss_paths --json_out benchmarks/results/loss_paths.json
+    python -m benchmarks.investigations.loss_paths                  # about 20 seconds on 2 cores
+    python -m benchmarks.investigations.loss_paths --json_out benchmarks/results/loss_paths.json
 
 ``causal_lm_loss`` computes transformers' ForCausalLMLoss through one of two paths, chosen by the number of
 logits (``kernels_decoderlab.LEAN_LOSS_MIN_LOGITS``): ``F.cross_entropy`` (transformers' own call) below it,

@@ -1,8 +1,8 @@
 """Where a training step's time goes: matrix multiplies against everything else, decoderlab and Llama;
 and where a decoding step's time goes: the model's forward against generate()'s own loop.
 
-    python -m benchmarks.profile_step               # nano and tiny, about 2 minutes on 2 cores
-    python -m benchmarks.profile_step --sizes nano --top 25
+    python -m benchmarks.investigations.profile_step               # nano and tiny, about 2 minutes on 2 cores
+    python -m benchmarks.investigations.profile_step --sizes nano --top 25
 
 For each size of ``benchmarks.common`` (the ``llama`` pair: decoderlab's preset and LlamaForCausalLM with
 the same weights, SDPA), ``torch.profiler`` records ``--steps`` training steps (forward, backward, fused

@@ -23,7 +23,6 @@ The packages: ``pip install "decoderlab[export]"`` (onnx, onnxruntime, onnxscrip
 
 import copy
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -34,9 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .configuration_decoderlab import DecoderLabConfig
-from .convert import TO_LLAMA, read_source_config, resolve_source
-from .modeling_decoderlab import DecoderLabForCausalLM
+from ..configuration_decoderlab import DecoderLabConfig
+from ..modeling_decoderlab import DecoderLabForCausalLM
+from .checkpoint import config_json, resolve_source
+from .families import TO_LLAMA, read_source_config
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def load_for_export(src: str | os.PathLike, flag: str) -> DecoderLabForCausalLM:
     decoderlab causal-LM checkpoint whose configuration can be exported."""
     folder = resolve_source(src)
     config = read_source_config(folder, TO_LLAMA, flag)  # a decoderlab config.json, or an error naming what it is
-    architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    architectures = config_json(folder).get("architectures") or []
     if architectures and DecoderLabForCausalLM.__name__ not in architectures:
         raise ValueError(
             f"{folder} holds a {', '.join(architectures)} checkpoint; {flag} exports a language model "
@@ -267,9 +267,4 @@ def export_executorch(src: str | os.PathLike, out: str | os.PathLike, max_cache_
     return out
 
 
-EXPORTERS: dict[str, Callable[[str | os.PathLike, str | os.PathLike], Path]] = {
-    "onnx": export_onnx,
-    "executorch": export_executorch,
-}
-
-__all__ = ["export_onnx", "export_executorch", "export_static_cache", "EXPORTERS"]
+__all__ = ["export_onnx", "export_executorch", "export_static_cache"]

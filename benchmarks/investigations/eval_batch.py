@@ -1,7 +1,8 @@
 """Evaluation speed of the default recipe's model against the evaluation batch size, on this machine.
 
-    python -m benchmarks.eval_batch                      # about 30 seconds on 2 cores
-    python -m benchmarks.eval_batch --batch_sizes 16,32,64,128,256 --json_out benchmarks/results/eval_batch.json
+    python -m benchmarks.investigations.eval_batch                      # about 30 seconds on 2 cores
+    python -m benchmarks.investigations.eval_batch --batch_sizes 16,32,64,128,256 \
+        --json_out benchmarks/results/eval_batch.json
 
 The model is ``training/configs/shakespeare_char.yaml``'s architecture (untrained: the speed of a forward does
 not depend on the weights) over blocks of its ``block_size``; each batch size runs the forward with the loss,
@@ -19,7 +20,7 @@ from benchmarks.common import interleaved_medians, load_average, machine_line, t
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from training.args import TrainConfig, parse_config
 
-RECIPE = pathlib.Path(__file__).resolve().parents[1] / "training" / "configs" / "shakespeare_char.yaml"
+RECIPE = pathlib.Path(__file__).resolve().parents[2] / "training" / "configs" / "shakespeare_char.yaml"
 VOCAB_SIZE = 66  # the recipe's character vocabulary: the 65 characters of Tiny Shakespeare and <|endoftext|>
 
 

@@ -1,7 +1,7 @@
 """Does bf16 autocast speed up training on this CPU? The real training loop, fp32 against bf16, side by side.
 
-    python -m benchmarks.cpu_mixed_precision            # nano and tiny, 2 repeats each, about 9 minutes
-    python -m benchmarks.cpu_mixed_precision --sizes nano --repeats 3
+    python -m benchmarks.investigations.cpu_mixed_precision            # nano and tiny, 2 repeats each, about 9 minutes
+    python -m benchmarks.investigations.cpu_mixed_precision --sizes nano --repeats 3
 
 Each run is ``training/pretrain.py`` on Tiny Shakespeare (characters) in a fresh process with
 ``--mixed_precision no`` or ``bf16`` (Accelerate's CPU autocast: matmuls in bfloat16, through oneDNN's
@@ -17,7 +17,6 @@ a speed-up that costs accuracy would show there.
 """
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -25,11 +24,11 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import cpu_features, machine_line
+from benchmarks.common import cpu_features, machine_line, write_results
 from training.data import tiny_shakespeare
 from training.loop import METRICS_NAME, read_metrics
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
 
 SIZES = {
@@ -99,7 +98,7 @@ def main() -> None:
             f"{r['ratio_bf16_over_fp32']:12.2f} {r['no']['last_train_loss']:15.4f} {r['bf16']['last_train_loss']:8.4f}"
         )
     if args.json_out:
-        args.json_out.write_text(json.dumps({"num_threads": args.num_threads, **results}, indent=2) + "\n")
+        write_results(args.json_out, {"num_threads": args.num_threads, **results}, args.num_threads)
 
 
 if __name__ == "__main__":

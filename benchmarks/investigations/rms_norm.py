@@ -1,7 +1,7 @@
 """RMSNorm's training path, timed against autograd through Llama's module and against LayerNorm, on this machine.
 
-    python -m benchmarks.rms_norm                  # about 15 seconds on 2 cores
-    python -m benchmarks.rms_norm --json_out benchmarks/results/rms_norm.json
+    python -m benchmarks.investigations.rms_norm                  # about 15 seconds on 2 cores
+    python -m benchmarks.investigations.rms_norm --json_out benchmarks/results/rms_norm.json
 
 Under autograd ``DecoderLabRMSNorm`` runs ``kernels_decoderlab.RMSNormFunction``: LlamaRMSNorm's forward, op for op
 (the same outputs), with the backward written out. This times forward + backward of three norms on the same input

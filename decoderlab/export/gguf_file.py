@@ -45,11 +45,11 @@ import torch
 from transformers import AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from .configuration_decoderlab import DecoderLabConfig
-from .convert import (
+from ..configuration_decoderlab import DecoderLabConfig
+from .checkpoint import CheckpointReader, resolve_source
+from .families import (
     TO_LLAMA,
     TO_QWEN3,
-    CheckpointReader,
     Conversion,
     llama_config_from_decoderlab,
     make_skeleton,
@@ -57,7 +57,6 @@ from .convert import (
     qwen3_config_from_decoderlab,
     read_source_config,
     refuse_fields,
-    resolve_source,
 )
 
 logger = logging.getLogger(__name__)

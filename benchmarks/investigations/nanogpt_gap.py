@@ -1,7 +1,7 @@
 """Where decoderlab's training step loses to nanoGPT's at nano with the same weights, taken apart on this machine.
 
-    python -m benchmarks.nanogpt_gap              # about a minute on 2 cores
-    python -m benchmarks.nanogpt_gap --json_out benchmarks/results/nanogpt_gap.json
+    python -m benchmarks.investigations.nanogpt_gap              # about a minute on 2 cores
+    python -m benchmarks.investigations.nanogpt_gap --json_out benchmarks/results/nanogpt_gap.json
 
 ``python -m benchmarks.speed`` compares one training step (forward, backward, fused AdamW; nano, batch 12 x 64)
 of nanoGPT and of decoderlab holding the same weights. This times four steps on the same batch, interleaved

@@ -1,0 +1,544 @@
+"""Render the measured figures from benchmarks/results/*.json into the pages that show them.
+
+    python -m benchmarks.report           # rewrite the generated tables of docs/performance.md and README.md
+    python -m benchmarks.report --check   # change nothing; exit 1 naming the page, table and JSON that disagree
+
+A generated table sits in its page between the lines ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->``;
+everything outside those lines is written by hand. Each table opens with where its figures were measured: the
+CPU, threads, date and commit each results file records (its ``provenance``, written by
+``benchmarks.common.write_results``; older files say what git history proves and that it was backfilled), the
+files themselves and the dated note that tells their history. ``--check`` also fails for a results file that
+no table shows: a figure is either on a page or in ``results/archive/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+NOTES = REPO_ROOT / "benchmarks" / "notes"
+PERFORMANCE = REPO_ROOT / "docs" / "performance.md"
+# stands for the results folder in a rendered line; render() makes it relative to the page
+RESULTS_LINK = "@results/"
+BLOCK = re.compile(r"^<!-- report:(?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- /report:(?P=name) -->$", re.M | re.S)
+
+
+@dataclass
+class Line:
+    """One line of a rendered table and the results file its figures come from (None: all of the table's)."""
+
+    text: str
+    source: str | None = None
+
+
+@dataclass
+class Table:
+    name: str
+    sources: tuple[str, ...]  # results files, relative to benchmarks/results
+    note: str | None  # the note under benchmarks/notes that tells the history, if any
+    rows: Callable[..., list[Line]]  # rows(*loaded sources) -> the table's lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+
+
+def number(x: float) -> str:
+    """A figure as the tables print it: whole and thousands-separated from 1000, one decimal from 10, two from 1,
+    three significant digits below."""
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if abs(x) >= 1 else f"{x:.3g}"
+
+
+def times(ratio: float) -> str:
+    return f"{ratio:.2f}×"
+
+
+def small(x: float) -> str:
+    """A logit difference: two significant digits."""
+    return f"{x:.2g}"
+
+
+def megabytes(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:.2f} MB"
+
+
+def markdown_table(header: list[str], align: str, rows: list[tuple[list[str], str]]) -> list[Line]:
+    """``rows`` as (cells, source) under ``header``; ``align`` has one letter per column, l or r."""
+    lines = [
+        Line("| " + " | ".join(header) + " |"),
+        Line("|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"),
+    ]
+    return lines + [Line("| " + " | ".join(cells) + " |", source) for cells, source in rows]
+
+
+def link(page: pathlib.Path, target: pathlib.Path, text: str) -> str:
+    return f"[{text}]({pathlib.Path(os.path.relpath(target, page.parent)).as_posix()})"
+
+
+def measured_on(provenance: dict) -> str:
+    """Where and when, from a results file's provenance: what the run recorded, or what was backfilled."""
+    versions = provenance.get("versions") or {}
+    cpu = provenance.get("cpu") or "a CPU the file does not name"
+    threads = provenance.get("threads")
+    where = f"{cpu}, {threads} thread{'s' if threads != 1 else ''}" if threads else cpu
+    if provenance.get("accelerator"):
+        where += f", {provenance['accelerator']}"
+    if provenance.get("recorded") == "at run time":
+        dirty = " with uncommitted changes" if provenance.get("dirty") else ""
+        code = f"commit {(provenance.get('commit') or 'unknown')[:7]}{dirty}"
+        when = provenance["date"][:16].replace("T", " ")
+    else:
+        code = f"code no newer than commit {provenance['committed_in'][:7]} (backfilled from git: no commit recorded)"
+        when = (provenance.get("date") or "")[:16] or f"by {provenance['committed_on']}"
+    libraries = ", ".join(f"{name} {versions[name]}" for name in ("torch", "transformers") if versions.get(name))
+    return f"{where}, {when}, {code}" + (f"; {libraries}" if libraries else "")
+
+
+def header(table: Table, loaded: dict[str, dict], page: pathlib.Path) -> list[Line]:
+    """The sentence above a table: each distinct provenance, with the files that share it, and the note."""
+    groups: dict[str, list[str]] = {}
+    for name in table.sources:
+        groups.setdefault(measured_on(loaded[name]["provenance"]), []).append(name)
+    parts = [
+        ", ".join(link(page, RESULTS / name, f"`{name}`") for name in names) + f": {where}"
+        for where, names in groups.items()
+    ]
+    sentence = "Measured: " + "; ".join(parts) + "."
+    if table.note:
+        sentence += " History: " + link(page, NOTES / table.note, table.note) + "."
+    return [Line(f"*{sentence}*"), Line("")]
+
+
+# ----------------------------------------------------------------------------------------------
+# The tables
+
+
+LOWER_IS_BETTER = {"ms", "MB"}
+PAIRS = {"nanogpt-same-weights": "nanoGPT, same weights", "nanogpt-llama-shaped": "nanoGPT vs the Llama-shaped default"}
+
+
+def measure(row: dict) -> str:
+    label = row["benchmark"].replace("train peak memory added", "training peak memory added, MB")
+    return label + (" (lower is better)" if row["unit"] in LOWER_IS_BETTER else "")
+
+
+def reference(row: dict) -> str:
+    """The reference's class in code type, e.g. "`LlamaForCausalLM`, dynamic cache, eager"."""
+    model, _, rest = row["reference"].partition(", ")
+    return PAIRS.get(row["pair"], f"`{model}`" + (f", {rest}" if rest else ""))
+
+
+def speed_rows(report: dict, source: str) -> list[Line]:
+    """One process of ``python -m benchmarks.speed``: both figures and their ratio."""
+    rows = [
+        (
+            [
+                measure(r),
+                r["size"],
+                reference(r),
+                number(r["decoderlab"]),
+                number(r["reference_value"]),
+                f"{r['ratio']:.2f}",
+            ],
+            source,
+        )
+        for r in report["results"]
+    ]
+    return markdown_table(["measure", "size", "against", "decoderlab", "reference", "ratio"], "lllrrr", rows)
+
+
+def combined_rows(report: dict, source: str, benchmarks: tuple[str, ...] = ()) -> list[Line]:
+    """``--runs 3``: the median ratio of three fresh processes, their range and the verdict."""
+    rows = [
+        ([measure(r), r["size"], reference(r), f"{r['ratio']:.2f}", f"{r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f}",
+          r["verdict"]], source)
+        for r in report["results"]
+        if not benchmarks or r["benchmark"].startswith(benchmarks)
+    ]  # fmt: skip
+    return markdown_table(["measure", "size", "against", "median ratio", "range", "verdict"], "lllrrl", rows)
+
+
+def main_job_rows(*runs: dict) -> list[Line]:
+    rows = []
+    for source, run in zip(MAIN_JOB.sources, runs):
+        for side, label in (("nanogpt", "nanoGPT `shakespeare_char` (CPU)"), ("ours", "decoderlab `shakespeare_char`")):
+            r = run[side]
+            ratio = side == "ours"
+            rows.append(([
+                source, label, str(r["steps"]),
+                f"{r['command_s']:.1f} s" + (f" ({times(run['ratio_command'])})" if ratio else ""),
+                f"{r['loop_s']:.1f} s" + (f" ({times(run['ratio_loop'])})" if ratio else ""),
+                f"{r['val_loss_every_window']:.3f}",
+            ], source))  # fmt: skip
+    return markdown_table(
+        ["results file", "recipe", "steps", "whole command", "training loop", "validation loss"], "llrrrr", rows
+    )
+
+
+def export_rows(report: dict) -> list[Line]:
+    source = "export_formats.json"
+    runtimes = {"onnx": f"ONNX Runtime {report['versions']['onnxruntime']}",
+                "executorch": f"ExecuTorch {report['versions']['executorch']} (XNNPACK)"}  # fmt: skip
+    rows = [
+        ([row["model"], f"{row['parameters'] / 1e6:.2f}M", runtimes[fmt], small(row[fmt]["max_abs_logit_difference"]),
+          megabytes(row[fmt]["bytes"]), f"{row[fmt]['export_seconds']:.0f} s"], source)
+        for row in report["rows"]
+        for fmt in runtimes
+    ]  # fmt: skip
+    return markdown_table(
+        ["model", "parameters", "runtime", "max logit difference", "file size", "export time"], "lrlrrr", rows
+    )
+
+
+def gguf_rows(report: dict) -> list[Line]:
+    source = "gguf_export.json"
+    rows = [
+        ([outtype, megabytes(r["file_bytes"]), small(r["transformers_max_logit_diff"]),
+          small(r["llamacpp_max_last_logit_diff"]), f"{r['llamacpp_greedy_matching']}/{r['greedy_total']}",
+          "yes" if r["llamacpp_same_ids"] else "no"], source)
+        for outtype, r in report["outtypes"].items()
+    ]  # fmt: skip
+    header = ["outtype", "file size", "transformers' GGUF loader: max logit diff", "llama.cpp: max last-token logit diff",
+              "llama.cpp: greedy tokens equal", "same token ids"]  # fmt: skip
+    return markdown_table(header, "lrrrrl", rows)
+
+
+def vllm_rows(report: dict) -> list[Line]:
+    source = "vllm_speed.json"
+    rows = [
+        ([str(r["batch_size"]), f"{number(r['generate_tokens_per_s'])} tok/s", f"{number(r['vllm_tokens_per_s'])} tok/s",
+          times(r["vllm_over_generate"]), "yes" if r["same_greedy_tokens_row0"] else "no"], source)
+        for r in report["rows"]
+    ]  # fmt: skip
+    return markdown_table(["batch", "`generate`", "vLLM", "vLLM / `generate`", "same greedy tokens"], "rrrrl", rows)
+
+
+def bf16_rows(*reports: dict) -> list[Line]:
+    rows = []
+    for source, report in zip(CPU_BF16.sources, reports):
+        for size in ("nano", "tiny"):
+            if size in report:
+                r = report[size]
+                rows.append(([
+                    source, size, number(r["no"]["tokens_per_s"]), number(r["bf16"]["tokens_per_s"]),
+                    times(r["ratio_bf16_over_fp32"]),
+                    f"{r['no']['last_train_loss']:.4f} / {r['bf16']['last_train_loss']:.4f}",
+                ], source))  # fmt: skip
+    return markdown_table(
+        ["results file", "size", "fp32 tokens/s", "bf16 tokens/s", "bf16 / fp32", "last training loss fp32 / bf16"],
+        "llrrrr",
+        rows,
+    )
+
+
+def nanogpt_gap_rows(first: dict, second: dict) -> list[Line]:
+    rows = [
+        ([a["step"], f"{a['ms']:.2f} ms, {a['nanogpt_over_this']:.3f}×", f"{b['ms']:.2f} ms, {b['nanogpt_over_this']:.3f}×"],
+         None)
+        for a, b in zip(first["rows"], second["rows"])
+    ]  # fmt: skip
+    return markdown_table(["training step, nano (nanoGPT's time / the row's)", "first run", "second run"], "lrr", rows)
+
+
+def rms_norm_rows(report: dict) -> list[Line]:
+    rows = [
+        ([r["shape"], number(r["RMSNormFunction_us"]), number(r["LlamaRMSNorm_us"]), number(r["F.layer_norm_us"]),
+          times(r["llama_over_ours"])], "rms_norm.json")
+        for r in report["rows"]
+    ]  # fmt: skip
+    header = [
+        "forward and backward of",
+        "decoderlab, µs",
+        "`LlamaRMSNorm`, µs",
+        "`F.layer_norm`, µs",
+        "Llama / decoderlab",
+    ]
+    return markdown_table(header, "lrrrr", rows)
+
+
+def loss_paths_rows(report: dict) -> list[Line]:
+    rows = [
+        ([r["logits"], number(r["f_cross_entropy_ms"]), number(r["cross_entropy_function_ms"]), f"`{r['path']}`"],
+         "loss_paths.json")
+        for r in report["rows"]
+    ]  # fmt: skip
+    header = ["logits", "`F.cross_entropy`, ms", "`CrossEntropyFunction`, ms", "decoderlab's path"]
+    return markdown_table(header, "lrrl", rows)
+
+
+def eval_batch_rows(report: dict) -> list[Line]:
+    chosen = str(report["recipe_batch_size"])
+    rows = [
+        ([size + (" (the recipe's)" if size == chosen else ""), number(rate)], "eval_batch.json")
+        for size, rate in report["tokens_per_s"].items()
+    ]
+    return markdown_table(["evaluation batch size", "tokens/s"], "lr", rows)
+
+
+def char_packing_rows(report: dict) -> list[Line]:
+    cells = [f"{report['characters']:,}", number(report["tokenizer_ms"]), number(report["char_encoder_ms"]),
+             f"{report['ratio']:.0f}×"]  # fmt: skip
+    return markdown_table(
+        ["characters", "tokenizer call, ms", "`CharEncoder`, ms", "ratio"], "rrrr", [(cells, "char_packing.json")]
+    )
+
+
+def short_measured(name: str, data: dict) -> str:
+    """E.g. "[Intel Xeon, 2026-12-03](link to the file)": the headline's column; the rest is on the performance page."""
+    provenance = data["provenance"]
+    cpu = re.sub(r"\((R|TM)\)|\b(Processor|CPU)\b|\s+\d+-Core.*", "", provenance.get("cpu") or "") or "CPU not recorded"
+    day = (provenance.get("date") or provenance.get("committed_on") or "")[:10]
+    return f"[{' '.join(cpu.split())}, {day}]({RESULTS_LINK}{name})"
+
+
+def headline_rows(
+    shakespeare: dict, train: dict, decode: dict, compiled: dict, vllm: dict, onnx: dict, gguf: dict
+) -> list[Line]:
+    """The README's few figures, each from its results file, each a link away from the rest."""
+
+    def ratios(report: dict, benchmark: str, pair: str) -> dict[str, float]:
+        return {r["size"]: r["ratio"] for r in report["results"] if r["benchmark"] == benchmark and r["pair"] == pair}
+
+    train_llama, train_gpt2 = ratios(train, "train tokens/s", "llama"), ratios(train, "train tokens/s", "gpt2")
+    decode_1 = ratios(decode, "decode tokens/s, batch 1", "llama")
+    decode_8 = ratios(decode, "decode tokens/s, batch 8", "llama")
+    plain = [r["ratio"] for r in compiled["results"] if r["pair"] == "llama-plain"]
+    onnx_worst = max(row["onnx"]["max_abs_logit_difference"] for row in onnx["rows"])
+    executorch_worst = max(row["executorch"]["max_abs_logit_difference"] for row in onnx["rows"])
+    sizes = " / ".join
+    measured = dict(zip(HEADLINE_SOURCES, (shakespeare, train, decode, compiled, vllm, onnx, gguf)))
+    rows = [
+        (["the main job, `make demo`'s recipe", "nanoGPT's `shakespeare_char` CPU recipe",
+          f"validation loss {shakespeare['ours']['val_loss_every_window']:.3f} against "
+          f"{shakespeare['nanogpt']['val_loss_every_window']:.3f} in {times(shakespeare['ratio_command'])} the time"],
+         "shakespeare_char.json"),
+        (["training, tokens/s, nano / tiny", "`LlamaForCausalLM`, same weights",
+          sizes(times(train_llama[s]) for s in ("nano", "tiny"))], "speed-runs3-train-rmsnorm.json"),
+        (["training, tokens/s, nano / tiny", "`GPT2LMHeadModel`, same weights",
+          sizes(times(train_gpt2[s]) for s in ("nano", "tiny"))], "speed-runs3-train-rmsnorm.json"),
+        (["greedy decoding, batch 1 / 8, nano", "`LlamaForCausalLM`, same weights",
+          f"{times(decode_1['nano'])} / {times(decode_8['nano'])}"], "speed-runs3.json"),
+        (["static cache + `torch.compile` decoding", "`LlamaForCausalLM`'s plain `generate`",
+          f"{times(min(plain))}–{times(max(plain))}"], "speed-runs3-prefill-compile.json"),
+        (["serving in vLLM (CPU), batch 1 / 16", "`generate`",
+          " / ".join(times(r["vllm_over_generate"]) for r in vllm["rows"])], "vllm_speed.json"),
+        (["ONNX Runtime / ExecuTorch", "the model in transformers",
+          f"logits within {small(onnx_worst)} / {small(executorch_worst)}"], "export_formats.json"),
+        (["llama.cpp, GGUF f32", "the model in transformers",
+          f"last-token logits within {small(gguf['outtypes']['f32']['llamacpp_max_last_logit_diff'])}"],
+         "gguf_export.json"),
+    ]  # fmt: skip
+    rows = [(cells + [short_measured(source, measured[source])], source) for cells, source in rows]
+    return markdown_table(["what", "against", "decoderlab", "measured"], "llll", rows)
+
+
+HEADLINE_SOURCES = (
+    "shakespeare_char.json",
+    "speed-runs3-train-rmsnorm.json",
+    "speed-runs3.json",
+    "speed-runs3-prefill-compile.json",
+    "vllm_speed.json",
+    "export_formats.json",
+    "gguf_export.json",
+)
+MAIN_JOB = Table(
+    "main-job", ("shakespeare_char.json", "shakespeare_char-second-run.json"), "main-job-recipe.md", main_job_rows
+)
+CPU_BF16 = Table(
+    "cpu-bf16", ("cpu_mixed_precision.json", "cpu_mixed_precision-amd-epyc.json"), "cpu-mixed-precision.md", bf16_rows
+)
+TABLES = [
+    Table("headline", HEADLINE_SOURCES, None, headline_rows),
+    MAIN_JOB,
+    Table("speed", ("speed.json",), "speed-vs-references.md", lambda r: speed_rows(r, "speed.json")),
+    Table(
+        "speed-train-runs3",
+        ("speed-runs3-train-rmsnorm.json",),
+        "speed-vs-references.md",
+        lambda r: combined_rows(r, "speed-runs3-train-rmsnorm.json"),
+    ),
+    Table(
+        "speed-decode-runs3",
+        ("speed-runs3.json",),
+        "speed-vs-references.md",
+        lambda r: combined_rows(r, "speed-runs3.json", ("decode",)),
+    ),
+    Table(
+        "speed-prefill-compile-runs3",
+        ("speed-runs3-prefill-compile.json",),
+        "speed-vs-references.md",
+        lambda r: combined_rows(r, "speed-runs3-prefill-compile.json"),
+    ),
+    Table(
+        "speed-amd-epyc",
+        ("speed-amd-epyc-cc2ad5b.json",),
+        "speed-vs-references.md",
+        lambda r: speed_rows(r, "speed-amd-epyc-cc2ad5b.json"),
+    ),
+    Table("export-formats", ("export_formats.json",), "export-formats.md", export_rows),
+    Table("gguf", ("gguf_export.json",), "export-formats.md", gguf_rows),
+    Table("vllm", ("vllm_speed.json",), "vllm.md", vllm_rows),
+    CPU_BF16,
+    Table("nanogpt-gap", ("nanogpt_gap.json", "nanogpt_gap-second-run.json"), "nanogpt-gap.md", nanogpt_gap_rows),
+    Table("rms-norm", ("rms_norm.json",), "kernels.md", rms_norm_rows),
+    Table("loss-paths", ("loss_paths.json",), "kernels.md", loss_paths_rows),
+    Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
+    Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
+]
+PAGES = {
+    "README.md": ["headline"],
+    "docs/performance.md": [table.name for table in TABLES],
+}
+# the GPU check's results file, shown on the performance page once a GPU has written it (never so far)
+GPU_CHECK = "gpu_check.json"
+
+
+def gpu_check_lines(page: pathlib.Path) -> list[Line]:
+    """The GPU check's rows when its results file exists, else the sentence saying it has never run."""
+    path = RESULTS / GPU_CHECK
+    if not path.is_file():
+        return [Line(f"*Not measured: `benchmarks/results/{GPU_CHECK}` does not exist. No GPU has run "
+                     "`python -m benchmarks.gpu_check` yet; only its CPU dry run runs, in the tests.*")]  # fmt: skip
+    report = json.loads(path.read_text())
+    rows = [([row["check"], {True: "pass", False: "FAIL", None: "-"}[row["passed"]], str(row["value"])], GPU_CHECK)
+            for row in report["rows"]]  # fmt: skip
+    return [
+        Line(f"*Measured: {link(page, path, f'`{GPU_CHECK}`')}: {measured_on(report['provenance'])}.*"),
+        Line(""),
+    ] + (markdown_table(["check", "result", "value"], "lll", rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# Pages
+
+
+def load(name: str) -> dict:
+    path = RESULTS / name
+    if not path.is_file():
+        raise SystemExit(f"benchmarks/results/{name} does not exist, but a table of benchmarks/report.py reads it.")
+    data = json.loads(path.read_text())
+    if "provenance" not in data:
+        raise SystemExit(
+            f"benchmarks/results/{name} has no provenance: write it with benchmarks.common.write_results "
+            "(or write_timing), which records the commit, date, CPU, threads and library versions."
+        )
+    return data
+
+
+def render(table_name: str, page: pathlib.Path) -> list[Line]:
+    if table_name == "gpu-check":
+        return gpu_check_lines(page)
+    table = next(t for t in TABLES if t.name == table_name)
+    loaded = {name: load(name) for name in table.sources}
+    if table.note is None:  # the headline: each row links its file; where and when in full on the performance page
+        where = (
+            "the tables below give"
+            if page == PERFORMANCE
+            else f"{link(page, PERFORMANCE, 'the performance page')} gives"
+        )
+        top = [Line(f"*Each figure links its results file; {where} every table with its machine, date and commit.*"),
+               Line("")]  # fmt: skip
+    else:
+        top = header(table, loaded, page)
+    prefix = pathlib.Path(os.path.relpath(RESULTS, page.parent)).as_posix() + "/"
+    lines = top + table.rows(*(loaded[name] for name in table.sources))
+    return [Line(line.text.replace(RESULTS_LINK, prefix), line.source) for line in lines]
+
+
+def page_tables(page: str) -> list[str]:
+    return PAGES[page] + (["gpu-check"] if page == "docs/performance.md" else [])
+
+
+def blocks(text: str) -> dict[str, str]:
+    return {m["name"]: m["body"] for m in BLOCK.finditer(text)}
+
+
+def sources(table: str) -> tuple[str, ...]:
+    return (GPU_CHECK,) if table == "gpu-check" else next(t.sources for t in TABLES if t.name == table)
+
+
+def difference(page: str, table: str, expected: list[Line], found: str) -> str | None:
+    """None when the page's block holds exactly ``expected``, else the first line that differs and the results file
+    that line's figures come from (every file of the table for its header and layout)."""
+    lines = found.rstrip("\n").split("\n") if found.strip() else []
+    for i in range(max(len(lines), len(expected))):
+        want = expected[i] if i < len(expected) else None
+        have = lines[i] if i < len(lines) else None
+        if want is None or have != want.text:
+            files = [want.source] if want is not None and want.source else sources(table)
+            return (
+                f"{page}: table {table!r} differs from {', '.join(f'benchmarks/results/{f}' for f in files)} at its "
+                f"line {i + 1}:\n  page: {have!r}\n  JSON: {want.text if want else None!r}\n"
+                "  Run python -m benchmarks.report to regenerate the page from the JSON."
+            )
+    return None
+
+
+def unshown() -> list[str]:
+    """Results files (outside archive/) that no table renders."""
+    shown = {name for table in TABLES for name in table.sources} | {GPU_CHECK}
+    return sorted(p.name for p in RESULTS.glob("*.json") if p.name not in shown)
+
+
+def check_or_write(page: str, write: bool) -> list[str]:
+    """The problems of one page; with ``write``, its generated tables rewritten first (the rest kept as it is)."""
+    path = REPO_ROOT / page
+    if not path.is_file():
+        return [f"{page} does not exist; it holds the tables {', '.join(page_tables(page))}."]
+    text = path.read_text()
+    rendered = {name: render(name, path) for name in page_tables(page)}
+    missing = [name for name in rendered if name not in blocks(text)]
+    if write:
+        text = BLOCK.sub(
+            lambda m: m[0] if m["name"] not in rendered else
+            f"<!-- report:{m['name']} -->\n" + "".join(line.text + "\n" for line in rendered[m["name"]])
+            + f"<!-- /report:{m['name']} -->",
+            text,
+        )  # fmt: skip
+        path.write_text(text)
+    found = blocks(text)
+    problems = [
+        f"{page}: no table {name!r}; put the lines <!-- report:{name} --> and <!-- /report:{name} --> where it goes, "
+        "then run python -m benchmarks.report."
+        for name in missing
+    ]
+    return problems + [
+        problem
+        for name, expected in rendered.items()
+        if name in found and (problem := difference(page, name, expected, found[name]))
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 where a page differs from the JSON")
+    args = parser.parse_args(argv)
+    problems = [
+        f"benchmarks/results/{name} is shown by no table of benchmarks/report.py: add one, or move the file to "
+        "benchmarks/results/archive/ if a newer run supersedes it."
+        for name in unshown()
+    ]
+    for page in PAGES:
+        problems += check_or_write(page, write=not args.check)
+    for problem in problems:
+        print(problem)
+    if not problems:
+        print(
+            f"{', '.join(PAGES)}: every table as benchmarks/results says" if args.check else f"wrote {', '.join(PAGES)}"
+        )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,513 @@
+"""Checkpoints of the Hugging Face families: Llama, GPT-2 and GPT-NeoX to decoderlab, and decoderlab to Llama and
+Qwen3, one tensor at a time.
+
+    python -m decoderlab.convert --from {llama,gpt2,neox} SRC DST   # SRC: a local folder or a Hub repo id
+    python -m decoderlab.convert --to llama SRC DST                  # decoderlab -> plain LlamaForCausalLM
+    python -m decoderlab.convert --to qwen3 SRC DST                  # with QK-norm -> plain Qwen3ForCausalLM
+
+or from Python, ``convert_from("gpt2", src, dst)``, ``convert_to_llama(src, dst)`` and ``convert_to_qwen3(src, dst)``.
+Each family's config mapping (``llama_config_from_decoderlab`` ...) is also what the GGUF export starts from.
+
+How: the source config becomes the target config (``--from`` builds it from the matching preset,
+``DecoderLabConfig.from_preset``). Every tensor name is mapped before anything is written, and the
+mapped names must be exactly the target model's, so an unknown or missing tensor stops the conversion
+with DST untouched. Then each tensor is read from the memory-mapped safetensors files (``safe_open``),
+renamed (GPT-2's Conv1D weights transposed, fused q/k/v projections split) and written into shards of
+at most ``max_shard_size`` bytes (default 1GB): beyond the memory-mapped source, peak memory is about
+one output shard plus one tensor, never a second copy of the model.
+
+DST's config.json, generation_config.json and, for decoderlab, the two model code files come from
+``save_pretrained`` on a weightless skeleton of the target model built on the meta device, so they are
+exactly what transformers itself writes (for decoderlab: ``auto_map`` for every Auto class, so
+``trust_remote_code`` loads work without the package). Tokenizer files are copied over.
+
+RoPE layout: HF Llama, HF Qwen3, HF GPT-NeoX and decoderlab all rotate the two halves of each head (HF's
+``rotate_half``), so query and key weights are copied unpermuted. Checkpoints in Meta's original
+interleaved layout must go through transformers' own Llama converter first.
+"""
+
+import copy
+import logging
+import math
+import os
+import re
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.utils.hub import convert_file_size_to_int
+
+from ..configuration_decoderlab import DecoderLabConfig
+from ..modeling_decoderlab import DecoderLabForCausalLM
+from .checkpoint import (
+    DEFAULT_MAX_SHARD_SIZE,
+    TOKENIZER_FILES,
+    CheckpointReader,
+    ShardWriter,
+    config_json,
+    resolve_source,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs: each source family's config as a decoderlab config, and a decoderlab config as Llama's
+
+
+def _token_ids(config: PreTrainedConfig) -> dict:
+    return {name: getattr(config, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+# decoderlab fields that LlamaConfig has under the same name and meaning, plus the one it names differently;
+# both directions read these, so they cannot drift apart
+LLAMA_SAME_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+    "rope_parameters", "attention_bias", "attention_dropout", "mlp_bias", "tie_word_embeddings", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id",
+)  # fmt: skip
+LLAMA_FIELDS = {**{name: name for name in LLAMA_SAME_FIELDS}, "norm_eps": "rms_norm_eps"}  # ours -> Llama's
+
+
+def decoderlab_config_from_llama(llama: LlamaConfig) -> DecoderLabConfig:
+    """``llama`` preset; sizes, grouped-query heads, RoPE (theta and scaling), biases and tying as in ``llama``."""
+    fields = {ours: copy.deepcopy(getattr(llama, theirs)) for ours, theirs in LLAMA_FIELDS.items()}
+    fields["attention_dropout"] = float(fields["attention_dropout"] or 0.0)  # Llama allows None and ints
+    return DecoderLabConfig.from_preset("llama", **fields)
+
+
+def decoderlab_config_from_gpt2(gpt2: GPT2Config) -> DecoderLabConfig:
+    """``gpt2`` preset. GPT-2's two extra attention switches are honoured or refused, never dropped."""
+    unsupported = [
+        f"{name}=True" for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention") if getattr(gpt2, name)
+    ]
+    if unsupported:
+        raise ValueError(
+            f"This GPT-2 checkpoint sets {', '.join(unsupported)}, which decoderlab has no switch for "
+            "(a per-layer attention scale; cross-attention to an encoder). It cannot be converted."
+        )
+    return DecoderLabConfig.from_preset(
+        "gpt2",
+        vocab_size=gpt2.vocab_size,
+        hidden_size=gpt2.n_embd,
+        num_hidden_layers=gpt2.n_layer,
+        num_attention_heads=gpt2.n_head,
+        intermediate_size=gpt2.n_inner or 4 * gpt2.n_embd,
+        max_position_embeddings=gpt2.n_positions,
+        hidden_act=gpt2.activation_function,
+        norm_eps=gpt2.layer_norm_epsilon,
+        attention_scale=None if gpt2.scale_attn_weights else 1.0,
+        attention_dropout=float(gpt2.attn_pdrop),
+        hidden_dropout=float(gpt2.resid_pdrop),  # decoderlab has one rate for embeddings and residuals
+        tie_word_embeddings=gpt2.tie_word_embeddings,
+        initializer_range=gpt2.initializer_range,
+        **_token_ids(gpt2),
+    )
+
+
+def decoderlab_config_from_neox(neox: GPTNeoXConfig) -> DecoderLabConfig:
+    """``neox`` preset; partial rotary and the parallel residual as in ``neox`` (Pythia has both)."""
+    return DecoderLabConfig.from_preset(
+        "neox",
+        vocab_size=neox.vocab_size,
+        hidden_size=neox.hidden_size,
+        num_hidden_layers=neox.num_hidden_layers,
+        num_attention_heads=neox.num_attention_heads,
+        intermediate_size=neox.intermediate_size,
+        max_position_embeddings=neox.max_position_embeddings,
+        rope_parameters=dict(neox.rope_parameters),  # includes partial_rotary_factor (rotary_pct)
+        hidden_act=neox.hidden_act,
+        norm_eps=neox.layer_norm_eps,
+        use_parallel_residual=neox.use_parallel_residual,
+        attention_bias=neox.attention_bias,
+        attention_dropout=float(neox.attention_dropout),
+        hidden_dropout=float(neox.hidden_dropout),
+        tie_word_embeddings=neox.tie_word_embeddings,
+        initializer_range=neox.initializer_range,
+        **_token_ids(neox),
+    )
+
+
+def refuse_fields(
+    in_the_way: dict[str, tuple[bool, str]], config: PreTrainedConfig, values: dict, what: str, instead: str
+) -> None:
+    """A ValueError when any field of ``in_the_way`` (name -> (blocks, why)) blocks: ``what``, then one line
+    ``"  field=value: why"`` per blocking field (the value from ``values`` where given, as for a key inside a
+    dict field, else from ``config``), then ``instead``."""
+    problems = [
+        f"  {name}={values.get(name, getattr(config, name, None))!r}: {why}"
+        for name, (blocks, why) in in_the_way.items()
+        if blocks
+    ]
+    if problems:
+        raise ValueError(f"{what}; these fields stand in the way:\n" + "\n".join(problems) + f"\n{instead}")
+
+
+def _rotary_fraction(config: DecoderLabConfig) -> float:
+    return (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+
+
+def llama_shaped_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[bool, str]]:
+    """For ``refuse_fields``: what makes ``config`` other than a Llama-shaped model (pre-norm RMSNorm blocks,
+    full RoPE, gated MLP, unscaled embeddings, 1/sqrt(head_dim) attention), which neither Llama nor Qwen3
+    (``family``, named in each reason) can express. QK-norm is left to each family."""
+    rotary_fraction = _rotary_fraction(config)
+    return {
+        "norm_placement": (config.norm_placement != "pre", f"{family} normalises before each sublayer ('pre')"),
+        "use_parallel_residual": (config.use_parallel_residual, f"{family}'s sublayers run one after the other"),
+        "norm_type": (config.norm_type != "rmsnorm", f"{family} uses RMSNorm ('rmsnorm')"),
+        "norm_bias": (config.norm_type == "layernorm" and config.norm_bias, "RMSNorm has no bias"),
+        "position_embedding_type": (config.position_embedding_type != "rope", f"{family} uses RoPE ('rope')"),
+        "rope_parameters['partial_rotary_factor']": (
+            config.position_embedding_type == "rope" and rotary_fraction != 1.0,
+            f"{family} rotates every dimension of each head (1.0)",
+        ),
+        "mlp_type": (config.mlp_type != "gated", f"{family}'s MLP is gated ('gated')"),
+        "embedding_multiplier": (
+            config.embedding_multiplier != 1.0,
+            f"{family} uses its token embeddings unscaled (1.0)",
+        ),
+        "attention_scale": (
+            config.attention_scale is not None and not math.isclose(config.attention_scale, config.head_dim**-0.5),
+            f"{family} scales attention by 1/sqrt(head_dim) = {config.head_dim**-0.5:.6g} (None)",
+        ),
+    }
+
+
+def exported_config(
+    config: DecoderLabConfig,
+    target: type[PreTrainedConfig],
+    fields: dict[str, str],
+    family_in_the_way: dict[str, tuple[bool, str]],
+    instead: str,
+) -> PreTrainedConfig:
+    """``target`` built from ``fields`` (ours -> theirs) of ``config``, or one ValueError listing every field
+    in the way: what ``llama_shaped_in_the_way`` lists, then what ``family_in_the_way`` adds for ``target``."""
+    family = target.model_type.capitalize()  # Llama, Qwen3
+    refuse_fields(
+        {**llama_shaped_in_the_way(config, family), **family_in_the_way},
+        config,
+        {"rope_parameters['partial_rotary_factor']": _rotary_fraction(config)},
+        f"A {family} checkpoint cannot express this decoderlab configuration",
+        instead,
+    )
+    if config.hidden_dropout:
+        logger.warning(
+            f"hidden_dropout={config.hidden_dropout} has no {family} equivalent and is left out of the export; "
+            "inference is unaffected, fine-tuning the export runs without that dropout."
+        )
+    return target(**{theirs: copy.deepcopy(getattr(config, ours)) for ours, theirs in fields.items()})
+
+
+SHARE_INSTEAD = "Share this one as a decoderlab checkpoint instead (it loads anywhere with trust_remote_code=True)."
+
+
+def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
+    """The LlamaConfig computing exactly what ``config`` computes, or one ValueError listing every field
+    Llama cannot express. Models built with ``DecoderLabConfig.from_preset("llama", ...)`` always export."""
+    return exported_config(
+        config,
+        LlamaConfig,
+        LLAMA_FIELDS,
+        {"qk_norm": (config.qk_norm, "Llama does not normalise queries and keys (--to qwen3 does)")},
+        f"Only models built like DecoderLabConfig.from_preset('llama', ...) export to Llama. {SHARE_INSTEAD}",
+    )
+
+
+# Qwen3Config has Llama's fields but mlp_bias (its MLP has none); its sliding window is off by default
+QWEN3_FIELDS = {ours: theirs for ours, theirs in LLAMA_FIELDS.items() if ours != "mlp_bias"}
+
+
+def qwen3_config_from_decoderlab(config: DecoderLabConfig) -> Qwen3Config:
+    """The Qwen3Config computing exactly what ``config`` computes, or one ValueError listing every field Qwen3
+    cannot express. Qwen3 is Llama with QK-norm (an RMSNorm over each head's queries and keys, before RoPE,
+    with the model's norm_eps), always on, and no MLP biases: ``from_preset("llama", qk_norm=True, ...)``
+    models without MLP biases, the default recipe's among them, always export."""
+    return exported_config(
+        config,
+        Qwen3Config,
+        QWEN3_FIELDS,
+        {
+            "qk_norm": (
+                not config.qk_norm,
+                "Qwen3 always normalises each head's queries and keys (True); export this model with --to llama",
+            ),
+            "mlp_bias": (config.mlp_bias, "Qwen3's MLP has no biases (False)"),
+        },
+        "Only models built like DecoderLabConfig.from_preset('llama', qk_norm=True, ...) export to Qwen3. "
+        + SHARE_INSTEAD,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors: the name and layout of each source tensor in the target
+
+
+def split_gpt2_qkv(tensor: torch.Tensor, config: DecoderLabConfig) -> list[torch.Tensor]:
+    """GPT-2's ``c_attn`` (3C, C) after the transpose, or its bias (3C,): rows are [q; k; v]."""
+    return [part.clone(memory_format=torch.contiguous_format) for part in tensor.chunk(3, dim=0)]
+
+
+def split_neox_qkv(tensor: torch.Tensor, config: DecoderLabConfig) -> list[torch.Tensor]:
+    """GPT-NeoX's ``query_key_value`` (3C, C) or bias (3C,): GPT-NeoX views its output as (B, T, nh, 3 * hs),
+    so rows are ordered (head, q/k/v, head_dim), interleaved per head, not [q; k; v]."""
+    per_head = tensor.unflatten(0, (config.num_attention_heads, 3, config.head_dim))  # (nh, 3, hs, ...)
+    return [per_head[:, i].flatten(0, 1).clone(memory_format=torch.contiguous_format) for i in range(3)]
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One direction: what SRC must hold, and how its config and tensors become the target's."""
+
+    source_type: str  # model_type in SRC's config.json
+    source_config: type[PreTrainedConfig]  # parses SRC's config.json, legacy keys included
+    target_model: type[PreTrainedModel]  # its weightless skeleton names the expected tensors, writes config.json
+    make_config: Callable[[PreTrainedConfig], PreTrainedConfig]
+    prefix: str = ""  # stripped from source names before matching
+    # regex over the stripped name -> target name; "{}" in a target marks a fused q/k/v tensor, split in three
+    renames: dict[str, str] = field(default_factory=lambda: {r"(.+)": r"\1"})
+    skipped: str = r"$^"  # buffers older checkpoints saved (causal masks, RoPE tables): not weights
+    transposed: str = r"$^"  # weights stored (in, out), as GPT-2's Conv1D does, instead of nn.Linear's (out, in)
+    split_qkv: Callable[[torch.Tensor, DecoderLabConfig], list[torch.Tensor]] = split_gpt2_qkv
+
+    def targets(self, name: str) -> list[str] | None:
+        """Target names of one source tensor: [] for a skipped buffer, None for a name not understood."""
+        name = name.removeprefix(self.prefix)
+        if re.fullmatch(self.skipped, name):
+            return []
+        for pattern, target in self.renames.items():
+            if match := re.fullmatch(pattern, name):
+                target = match.expand(target)
+                return [target.format(part) for part in "qkv"] if "{}" in target else [target]
+        return None
+
+    def tensors(self, name: str, tensor: torch.Tensor, config: PreTrainedConfig) -> list[torch.Tensor]:
+        """The tensors of ``targets(name)``, in the same order."""
+        stripped = name.removeprefix(self.prefix)
+        if re.fullmatch(self.transposed, stripped):
+            tensor = tensor.t().contiguous()
+        if len(self.targets(name)) == 3:
+            return self.split_qkv(tensor, config)
+        return [tensor]
+
+
+LAYER = r"(?:h|layers)\.(\d+)"  # GPT-2 calls its blocks h.N, GPT-NeoX layers.N
+
+FROM = {
+    # identical names: decoderlab's Llama-shaped model uses Llama's
+    "llama": Conversion(
+        source_type="llama",
+        source_config=LlamaConfig,
+        target_model=DecoderLabForCausalLM,
+        make_config=decoderlab_config_from_llama,
+        skipped=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+    ),
+    "gpt2": Conversion(
+        source_type="gpt2",
+        source_config=GPT2Config,
+        target_model=DecoderLabForCausalLM,
+        make_config=decoderlab_config_from_gpt2,
+        prefix="transformer.",  # GPT2LMHeadModel's; the original Hub files have none
+        renames={
+            r"wte\.weight": "model.embed_tokens.weight",
+            r"wpe\.weight": "model.embed_positions.weight",
+            rf"{LAYER}\.ln_1\.(weight|bias)": r"model.layers.\1.input_layernorm.\2",
+            rf"{LAYER}\.attn\.c_attn\.(weight|bias)": r"model.layers.\1.self_attn.{}_proj.\2",
+            rf"{LAYER}\.attn\.c_proj\.(weight|bias)": r"model.layers.\1.self_attn.o_proj.\2",
+            rf"{LAYER}\.ln_2\.(weight|bias)": r"model.layers.\1.post_attention_layernorm.\2",
+            rf"{LAYER}\.mlp\.c_fc\.(weight|bias)": r"model.layers.\1.mlp.up_proj.\2",
+            rf"{LAYER}\.mlp\.c_proj\.(weight|bias)": r"model.layers.\1.mlp.down_proj.\2",
+            r"ln_f\.(weight|bias)": r"model.norm.\1",
+            r"lm_head\.weight": "lm_head.weight",
+        },
+        skipped=rf"{LAYER}\.attn\.(bias|masked_bias)",
+        transposed=rf"{LAYER}\.(attn|mlp)\.c_\w+\.weight",
+        split_qkv=split_gpt2_qkv,
+    ),
+    "neox": Conversion(
+        source_type="gpt_neox",
+        source_config=GPTNeoXConfig,
+        target_model=DecoderLabForCausalLM,
+        make_config=decoderlab_config_from_neox,
+        prefix="gpt_neox.",
+        renames={
+            r"embed_in\.weight": "model.embed_tokens.weight",
+            rf"{LAYER}\.(input_layernorm|post_attention_layernorm)\.(weight|bias)": r"model.layers.\1.\2.\3",
+            rf"{LAYER}\.attention\.query_key_value\.(weight|bias)": r"model.layers.\1.self_attn.{}_proj.\2",
+            rf"{LAYER}\.attention\.dense\.(weight|bias)": r"model.layers.\1.self_attn.o_proj.\2",
+            rf"{LAYER}\.mlp\.dense_h_to_4h\.(weight|bias)": r"model.layers.\1.mlp.up_proj.\2",
+            rf"{LAYER}\.mlp\.dense_4h_to_h\.(weight|bias)": r"model.layers.\1.mlp.down_proj.\2",
+            r"final_layer_norm\.(weight|bias)": r"model.norm.\1",
+            r"(?:embed_out|lm_head)\.weight": "lm_head.weight",  # Pythia's files say embed_out
+        },
+        skipped=rf"{LAYER}\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)",
+        split_qkv=split_neox_qkv,
+    ),
+}
+
+# identical names again: the refusal in llama_config_from_decoderlab leaves only Llama-shaped models
+TO_LLAMA = Conversion(
+    source_type=DecoderLabConfig.model_type,
+    source_config=DecoderLabConfig,
+    target_model=LlamaForCausalLM,
+    make_config=llama_config_from_decoderlab,
+)
+# the same names, q_norm and k_norm included: decoderlab's QK-norm weights are Qwen3's
+TO_QWEN3 = Conversion(
+    source_type=DecoderLabConfig.model_type,
+    source_config=DecoderLabConfig,
+    target_model=Qwen3ForCausalLM,
+    make_config=qwen3_config_from_decoderlab,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# The conversion
+
+
+def read_source_config(folder: Path, conversion: Conversion, flag: str) -> PreTrainedConfig:
+    """SRC's config, after checking that it is the family ``flag`` (the CLI option) expects."""
+    found = config_json(folder).get("model_type")
+    if found != conversion.source_type:
+        hint = next((f" Use --from {name}." for name, c in FROM.items() if c.source_type == found), "")
+        raise ValueError(
+            f"{folder} holds a {found!r} checkpoint (config.json model_type), but {flag} expects "
+            f"{conversion.source_type!r}.{hint}"
+        )
+    return conversion.source_config.from_pretrained(folder)
+
+
+def expected_names(model: PreTrainedModel) -> set[str]:
+    """The tensor names ``save_pretrained`` writes for ``model``: its state dict minus tied copies."""
+    names = set(model.state_dict())
+    if model.config.tie_word_embeddings:
+        names -= set(model._tied_weights_keys or {})
+    return names
+
+
+def plan_tensors(reader: CheckpointReader, conversion: Conversion, skeleton: PreTrainedModel) -> dict[str, list]:
+    """Source name -> target names, checked against the target model before anything is written."""
+    expected = expected_names(skeleton)
+    tied_copies = set(skeleton._tied_weights_keys or {}) if skeleton.config.tie_word_embeddings else set()
+    plan, unknown = {}, []
+    for name in reader.names():
+        targets = conversion.targets(name)
+        if targets is None:
+            unknown.append(name)
+        else:
+            plan[name] = [t for t in targets if t not in tied_copies]  # a tied lm_head is the embedding again
+    produced = [t for targets in plan.values() for t in targets]
+    missing = sorted(expected - set(produced))
+    unexpected = sorted(set(produced) - expected)
+    duplicated = sorted(t for t, n in Counter(produced).items() if n > 1)
+    problems = {
+        "tensors this converter does not understand": unknown,
+        "tensors the target model has no place for": unexpected,
+        "tensors the target model needs but SRC lacks": missing,
+        "tensors SRC provides twice": duplicated,
+    }
+    if any(problems.values()):
+        details = "; ".join(
+            f"{what}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+            for what, names in problems.items()
+            if names
+        )
+        raise ValueError(
+            f"{reader.folder} does not match a {conversion.source_type!r} checkpoint of its config.json: {details}."
+        )
+    return plan
+
+
+def make_skeleton(model_class: type[PreTrainedModel], config: PreTrainedConfig, dtype) -> PreTrainedModel:
+    """The target model without weights (meta device): names the tensors and writes config.json and code."""
+    with torch.device("meta"):
+        model = model_class(config)
+    return model.to(dtype or torch.float32)  # save_pretrained records the parameters' dtype in config.json
+
+
+def prepare_destination(dst: str | os.PathLike, src: Path) -> Path:
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"DST {str(dst)!r} exists and is not an empty folder; choose a new one.")
+    if dst.resolve() == src.resolve():
+        raise ValueError("DST must differ from SRC.")
+    return dst
+
+
+def convert(
+    conversion: Conversion,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    flag: str,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Convert the checkpoint in SRC with ``conversion`` into the new folder DST; returns DST."""
+    max_shard_size = convert_file_size_to_int(max_shard_size)
+    src_dir = resolve_source(src)
+    dst = prepare_destination(dst, src_dir)
+    source_config = read_source_config(src_dir, conversion, flag)
+    config = conversion.make_config(source_config)
+    skeleton = make_skeleton(conversion.target_model, config, source_config.dtype)
+    with CheckpointReader(src_dir) as reader:
+        plan = plan_tensors(reader, conversion, skeleton)
+        dst.mkdir(parents=True, exist_ok=True)
+        skeleton.save_pretrained(dst, state_dict={})  # config.json, generation_config.json, code; no weights
+        writer = ShardWriter(dst, max_shard_size)
+        for name, targets in plan.items():
+            if targets:
+                for target, tensor in zip(targets, conversion.tensors(name, reader[name], config)):
+                    writer.add(target, tensor)
+        writer.close()
+    carried = [name for name in TOKENIZER_FILES if (src_dir / name).is_file()]
+    for name in carried:
+        shutil.copyfile(src_dir / name, dst / name)
+    logger.info(
+        f"Wrote {type(skeleton).__name__} ({writer.total_bytes / 1e6:.1f} MB in {len(writer.shards)} shard(s)) "
+        f"to {dst}; carried over: {', '.join(carried) or 'no tokenizer files'}."
+    )
+    return dst
+
+
+def convert_from(
+    family: str, src: str | os.PathLike, dst: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> Path:
+    """A ``llama`` (LlamaForCausalLM), ``gpt2`` (GPT2LMHeadModel) or ``neox`` (GPTNeoXForCausalLM) checkpoint
+    in SRC (folder or Hub repo id) -> a decoderlab checkpoint in the new folder DST, loadable with
+    ``AutoModelForCausalLM.from_pretrained(DST)``. Returns DST."""
+    if family not in FROM:
+        raise ValueError(f"Unknown source family {family!r}; choose one of {', '.join(map(repr, FROM))}.")
+    return convert(FROM[family], src, dst, f"--from {family}", max_shard_size)
+
+
+def convert_to_llama(
+    src: str | os.PathLike, dst: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> Path:
+    """A decoderlab checkpoint in SRC -> a plain Llama checkpoint in the new folder DST, which loads with
+    ``AutoModelForCausalLM.from_pretrained(DST)`` and no remote code. Returns DST.
+
+    Raises ValueError listing every field that Llama cannot express (see ``llama_config_from_decoderlab``)."""
+    return convert(TO_LLAMA, src, dst, "--to llama", max_shard_size)
+
+
+def convert_to_qwen3(
+    src: str | os.PathLike, dst: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> Path:
+    """A decoderlab checkpoint with QK-norm in SRC (the default recipe's) -> a plain Qwen3 checkpoint in the new
+    folder DST, which loads with ``AutoModelForCausalLM.from_pretrained(DST)`` and no remote code. Returns DST.
+
+    Raises ValueError listing every field that Qwen3 cannot express (see ``qwen3_config_from_decoderlab``)."""
+    return convert(TO_QWEN3, src, dst, "--to qwen3", max_shard_size)
