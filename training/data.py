@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EOS_TOKEN = "<|endoftext|>"
+UNK_TOKEN = "<|unk|>"  # the character tokenizer's token for characters outside its vocabulary
 # The end-of-text token is also the padding token (padded positions are masked, so any id would do, and this
 # needs no extra one) and the beginning-of-sequence token, as in GPT-2: what ends one document is what the next
 # follows in packed training, so tools that put a BOS before a text (lm-eval's prefix token) condition on it.
@@ -157,42 +158,60 @@ def iter_texts(split: TextSplit, column: str, limit: int | None = None) -> Itera
 # 2. Tokenizers
 
 
-def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+def wrap_tokenizer(tokenizer: Tokenizer, **extra_special_tokens) -> PreTrainedTokenizerFast:
     """A transformers tokenizer around a ``tokenizers`` one that holds ``EOS_TOKEN``: no clean-up of spaces, so
-    decode(encode(s)) == s, and the special tokens tools look for (``SPECIAL_TOKENS``). Padding is on the left,
-    as batched generation with a decoder-only model needs (the fine-tuning data pads its own rows)."""
+    decode(encode(s)) == s, and the special tokens tools look for (``SPECIAL_TOKENS``, and e.g. ``unk_token``).
+    Padding is on the left, as batched generation with a decoder-only model needs (the fine-tuning data pads its
+    own rows)."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, padding_side="left", **SPECIAL_TOKENS
-    )
+        tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, padding_side="left",
+        **SPECIAL_TOKENS, **extra_special_tokens,
+    )  # fmt: skip
 
 
 def train_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
-    """One token per character, then ``<|endoftext|>``: ids 0..N-1 are the sorted characters' ranks (nanoGPT's
-    ``shakespeare_char`` ids, so losses compare), id N the end-of-text token (66 tokens for Tiny Shakespeare).
+    """One token per character, then ``<|endoftext|>`` and ``<|unk|>``: ids 0..N-1 are the sorted characters' ranks
+    (nanoGPT's ``shakespeare_char`` ids, so losses compare), id N the end-of-text token, id N+1 the unknown token
+    (67 tokens for Tiny Shakespeare).
 
-    There is no unknown token, so the vocabulary is exactly the characters seen plus the end-of-text token,
-    and encoding a character outside it raises instead of silently changing the text.
+    A character outside the vocabulary encodes as ``<|unk|>`` (the tokenizer's ``unk_token``), so every tool that
+    hands the tokenizer text of its own (lm-eval's tasks, ``pipeline``, TRL) gets ids instead of an error. One
+    unknown token rather than a byte fallback: a character model never trains on the 256 byte tokens a fallback
+    would add (they appear only in text it has not seen), so they would carry no more meaning than one token does,
+    at 256 rows of embedding and output each. Character tokenizers saved before it (no unknown token) load as they
+    were and still refuse such characters.
     """
     chars = sorted(set().union(*map(set, texts)))
     if not chars:
         raise ValueError("Cannot build a character vocabulary from empty text.")
-    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({EOS_TOKEN: len(chars), UNK_TOKEN: len(chars) + 1})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_PATTERN), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # concatenate the characters back, no spaces added
-    tokenizer.add_special_tokens([EOS_TOKEN])  # after the characters: id len(chars)
-    return wrap_tokenizer(tokenizer)
+    tokenizer.add_special_tokens([EOS_TOKEN, UNK_TOKEN])  # matched whole in text, kept at their ids N and N+1
+    return wrap_tokenizer(tokenizer, unk_token=UNK_TOKEN)
 
 
 class CharEncoder:
     """The ids a character tokenizer of ``train_char_tokenizer``'s kind gives, looked up in a table of code points:
     the tokenizer's own ids without its regex split of the text into one-character words, the slow part of
-    packing (``python -m benchmarks.char_packing`` times both). ``of`` returns None for any other tokenizer."""
+    packing (``python -m benchmarks.char_packing`` times both). ``of`` returns None for any other tokenizer.
 
-    def __init__(self, vocab: dict[str, int], special_tokens: list[str]):
-        self.table = np.full(max(map(ord, vocab)) + 2, -1, dtype=np.int64)  # the last entry: beyond every character
-        for char, token_id in vocab.items():
+    A character outside the vocabulary becomes the unknown token's id, with a warning naming it (once per
+    character); a tokenizer without an unknown token (saved before it had one) refuses it with a ValueError naming
+    the characters, as that tokenizer itself does.
+    """
+
+    def __init__(self, vocab: dict[str, int], special_tokens: list[str], unk_token: str | None = None):
+        chars = {char: token_id for char, token_id in vocab.items() if len(char) == 1}
+        self.unk_id = vocab[unk_token] if unk_token is not None else -1
+        # one entry per code point up to the largest character's, then one for every code point beyond
+        self.table = np.full(max(map(ord, chars)) + 2, self.unk_id, dtype=np.int64)
+        for char, token_id in chars.items():
             self.table[ord(char)] = token_id
         self.special_tokens = special_tokens
+        self.unknown: set[str] = set()  # the characters warned about
 
     @classmethod
     def of(cls, tokenizer) -> "CharEncoder | None":
@@ -201,13 +220,18 @@ class CharEncoder:
             return None
         state = json.loads(backend.to_str())
         model = state["model"]
-        # no normalizer (it could change characters) and no unknown token (an unknown character raises instead)
+        # no normalizer (it could change characters)
         if model["type"] != "WordLevel" or state["normalizer"] is not None or state["pre_tokenizer"] != CHAR_SPLIT:
             return None
-        vocab = model["vocab"]
-        if not vocab or model.get("unk_token") in vocab or any(len(token) != 1 for token in vocab):
+        vocab, unk_token = model["vocab"], model.get("unk_token")
+        special_tokens = [token["content"] for token in state["added_tokens"]]
+        if unk_token is not None and unk_token not in vocab:
+            unk_token = None  # named but not in the vocabulary: the tokenizer refuses unknown characters
+        if not any(len(token) == 1 for token in vocab) or any(
+            len(token) != 1 and token not in special_tokens for token in vocab
+        ):
             return None
-        return cls(vocab, [token["content"] for token in state["added_tokens"]])
+        return cls(vocab, special_tokens, unk_token)
 
     def __call__(self, text: str) -> np.ndarray | None:
         """The ids of ``text``, or None when it holds an added token (such as ``<|endoftext|>``), which the
@@ -215,15 +239,40 @@ class CharEncoder:
         if any(token in text for token in self.special_tokens):
             return None
         points = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)
-        ids = self.table[np.minimum(points, len(self.table) - 1)]
-        if (ids < 0).any():
-            unknown = [chr(point) for point in np.unique(points[ids < 0])]
-            raise ValueError(
-                f"The text holds {len(unknown)} character(s) the character tokenizer does not know: "
-                f"{''.join(unknown[:20])!r}{' ...' if len(unknown) > 20 else ''}. Its vocabulary is fixed when it is "
-                "built; train on text it covers, or build a new tokenizer (--tokenizer_type char without "
-                "--model_name_or_path)."
-            )
+        ids = self.table[np.minimum(points, len(self.table) - 1)]  # the last entry: unknown
+        if (ids == self.unk_id).any():
+            unknown = [chr(point) for point in np.unique(points[ids == self.unk_id])]
+            listed = f"{''.join(unknown[:20])!r}{' ...' if len(unknown) > 20 else ''}"
+            if self.unk_id < 0:
+                raise ValueError(
+                    f"The text holds {len(unknown)} character(s) the character tokenizer does not know: {listed}. "
+                    "Its vocabulary is fixed when it is built, and this tokenizer (saved before character tokenizers "
+                    "had <|unk|>) has no unknown token; train on text it covers, or build a new tokenizer "
+                    "(--tokenizer_type char without --model_name_or_path)."
+                )
+            if new := set(unknown) - self.unknown:
+                self.unknown |= new
+                logger.warning(f"Characters outside the character vocabulary become {UNK_TOKEN}: {sorted(new)}")
+        return ids
+
+
+class TextEncoder:
+    """The token ids of many texts at once, without special tokens, as int64 arrays: ``CharEncoder``'s table for a
+    character tokenizer, else the ``tokenizers`` tokenizer's batched call (Rust, no Python per token)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer, self.chars = tokenizer, CharEncoder.of(tokenizer)
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        ids = [self.chars(text) for text in texts] if self.chars is not None else [None] * len(texts)
+        if rest := [i for i, row in enumerate(ids) if row is None]:  # the tokenizer's own call, batched
+            if self.backend is not None:
+                encoded = [e.ids for e in self.backend.encode_batch([texts[i] for i in rest], add_special_tokens=False)]
+            else:
+                encoded = self.tokenizer([texts[i] for i in rest], add_special_tokens=False)["input_ids"]
+            for i, row in zip(rest, encoded):
+                ids[i] = np.array(row, dtype=np.int64)
         return ids
 
 
@@ -253,18 +302,16 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         ) from err
 
 
-def build_tokenizer(cfg: TrainConfig, train: TextSplit, validation: TextSplit | None) -> PreTrainedTokenizerBase:
-    """The tokenizer ``cfg.tokenizer_type`` asks for, trained on at most ``cfg.tokenizer_train_texts`` texts."""
+def build_tokenizer(
+    cfg: TrainConfig, train_texts: Iterable[str], validation_texts: Iterable[str] = ()
+) -> PreTrainedTokenizerBase:
+    """The tokenizer ``cfg.tokenizer_type`` asks for, trained on ``train_texts`` (a character vocabulary also covers
+    ``validation_texts``, so that evaluation meets no unknown character)."""
     if cfg.tokenizer_type == "pretrained":
         return load_tokenizer(cfg.tokenizer_name)
-    column, limit = cfg.text_column_name, cfg.tokenizer_train_texts
     if cfg.tokenizer_type == "char":
-        # characters of both splits, so that evaluation never meets an unknown one
-        texts = itertools.chain(
-            iter_texts(train, column, limit), iter_texts(validation, column, limit) if validation else ()
-        )
-        return train_char_tokenizer(texts)
-    return train_bpe_tokenizer(iter_texts(train, column, limit), cfg.bpe_vocab_size)
+        return train_char_tokenizer(itertools.chain(train_texts, validation_texts))
+    return train_bpe_tokenizer(train_texts, cfg.bpe_vocab_size)
 
 
 def tokenizer_for_run(
@@ -277,7 +324,9 @@ def tokenizer_for_run(
         return load_tokenizer(str(checkpoint))
     with accelerator.main_process_first():
         if accelerator.is_main_process:
-            tokenizer = build_tokenizer(cfg, train, validation)
+            column, limit = cfg.text_column_name, cfg.tokenizer_train_texts
+            validation_texts = iter_texts(validation, column, limit) if validation is not None else ()
+            tokenizer = build_tokenizer(cfg, iter_texts(train, column, limit), validation_texts)
             tokenizer.save_pretrained(cfg.output_dir)
         else:
             tokenizer = load_tokenizer(cfg.output_dir)
@@ -317,16 +366,10 @@ def pack(split: TextSplit, tokenizer: PreTrainedTokenizerBase, packing: Packing,
     block_size, column = packing.block_size, packing.column
     separator = [tokenizer.eos_token_id] if packing.documents and tokenizer.eos_token_id is not None else []
     separator_ids = np.array(separator, dtype=np.int64)
-    chars = CharEncoder.of(tokenizer)
+    encode = TextEncoder(tokenizer)
 
     def tokenize_and_cut(batch: dict) -> dict:
-        texts = batch[column]
-        ids = [chars(text) for text in texts] if chars is not None else [None] * len(texts)
-        if rest := [i for i, row in enumerate(ids) if row is None]:  # the tokenizer's own call, batched
-            encoded = tokenizer([texts[i] for i in rest], add_special_tokens=False, return_attention_mask=False)
-            for i, row in zip(rest, encoded["input_ids"]):
-                ids[i] = np.array(row, dtype=np.int64)
-        pieces = [piece for row in ids for piece in (row, separator_ids)]
+        pieces = [piece for row in encode(batch[column]) for piece in (row, separator_ids)]
         flat = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
         n_blocks = len(flat) // block_size
         return {"input_ids": flat[: n_blocks * block_size].reshape(n_blocks, block_size)}
