@@ -83,7 +83,7 @@ class TrainConfig(Config):
     validation_split_percentage: float = option(5.0, "percent of train carved off when there is no validation split")
     streaming: bool = option(False, "stream the dataset instead of downloading it (corpora bigger than the disk)")
     streaming_validation_texts: int = option(1000, "streaming without a validation split: first N texts validate")
-    shuffle_buffer_size: int = option(10_000, "streaming: texts held in the shuffle buffer")
+    shuffle_buffer_size: int = option(10_000, "streaming: blocks shuffled together (one window, read again on resume)")
     block_size: int = option(64, "tokens per training sequence; texts are concatenated and cut into blocks")
     preprocessing_num_workers: int | None = option(None, "processes for tokenization (datasets.map num_proc)")
     overwrite_cache: bool = option(False, "re-tokenize even when a cached tokenization exists")

@@ -21,6 +21,9 @@ import itertools
 import json
 import logging
 import pathlib
+import queue
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -51,6 +54,7 @@ IGNORE_INDEX = -100  # transformers' label for "no loss here"
 CHAR_PATTERN = "(?m)."
 CHAR_SPLIT = {"type": "Split", "pattern": {"Regex": CHAR_PATTERN}, "behavior": "Isolated", "invert": False}
 PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
+TEXTS_PER_CALL = 256  # texts tokenized per batched call
 
 TextSplit = datasets.Dataset | datasets.IterableDataset
 
@@ -447,16 +451,22 @@ def prepare_streaming(
     validation_texts: int,
     max_eval_samples: int | None = None,
 ) -> tuple[datasets.IterableDataset, torch.Tensor]:
-    """(train blocks, streamed; validation blocks, in memory, at most ``max_eval_samples``): without a validation
-    split the first ``validation_texts`` texts validate and training skips them."""
+    """(training texts, streamed; validation blocks, in memory, at most ``max_eval_samples``).
+
+    Without a validation split the first ``validation_texts`` documents validate, and they are taken out of the
+    whole stream by their text, before ``StreamBatches`` splits it over processes: no process trains on them,
+    whatever the number of processes or files (a ``skip`` would be divided among the files of a split stream,
+    and the process holding the first file would train on most of them). A training document identical to a
+    validation one is left out too."""
     if validation is None:
         validation = train.take(validation_texts)
-        train = train.skip(validation_texts)
+        held_out = frozenset(iter_texts(validation, packing.column))
+        train = train.filter(lambda text: text not in held_out, input_columns=packing.column)
     rows = list(itertools.islice(pack(validation, tokenizer, packing, "validation"), max_eval_samples))
     if not rows:
         raise too_short_error(validation, tokenizer, packing.column, packing.block_size, "validation")
     blocks = torch.from_numpy(np.stack([np.asarray(r["input_ids"]) for r in rows]))
-    return pack(train, tokenizer, packing, "train"), blocks
+    return train, blocks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,10 +483,17 @@ class BlockBatches:
     the same blocks at each step as ``num_processes`` processes with ``batch_size`` each. Blocks left
     over after the last full global batch of an epoch are skipped in that epoch only.
 
-    ``blocks`` is an (N, T) tensor of token ids (batches: ``input_ids`` and ``labels``, the same ids), or,
-    for fine-tuning, a dict of (N, T) tensors whose rows belong together (``input_ids``, ``labels`` with
-    -100 where no loss is taken, ``attention_mask`` or ``position_ids``): batches then hold those rows.
+    ``blocks`` is an (N, T) tensor of token ids (batches: ``input_ids`` and ``labels``, the same ids), or
+    prepared token shards (``token_shards.ShardBlocks``, read through np.memmap), or, for fine-tuning, a dict of
+    (N, T) tensors whose rows belong together (``input_ids``, ``labels`` with -100 where no loss is taken,
+    ``attention_mask`` or ``position_ids``): batches then hold those rows.
+
+    A checkpoint records the global batch size and the number of blocks (``state_dict``): a resume with another
+    number of processes at the same global batch continues exactly (each process takes its rows of the same
+    global batches); another global batch or other data is refused (``load_state_dict``).
     """
+
+    kind = "blocks"
 
     def __init__(
         self,
@@ -498,6 +515,22 @@ class BlockBatches:
                 "or give more text."
             )
 
+    def state_dict(self, consumed: int) -> dict:
+        """What a checkpoint after ``consumed`` micro-batches must match to continue exactly (the step says where)."""
+        return {"kind": self.kind, "num_processes": self.global_batch_size // self.batch_size,
+                "global_batch_size": self.global_batch_size, "blocks": self.num_blocks, "seed": self.seed}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        check_data_state(state, self.kind, self.global_batch_size // self.batch_size)
+        now = {"global_batch_size": self.global_batch_size, "blocks": self.num_blocks, "seed": self.seed}
+        if differ := {key: (state[key], value) for key, value in now.items() if state[key] != value}:
+            listed = ", ".join(f"{key} {old} in the checkpoint, {new} now" for key, (old, new) in differ.items())
+            raise ValueError(
+                f"The checkpoint's data position does not carry over to this run ({listed}): the same step would be "
+                "other blocks. Resume with the checkpoint's data, seed and global batch size "
+                "(per_device_train_batch_size x processes)."
+            )
+
     def order(self, epoch: int) -> torch.Tensor:
         return torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(self.seed + epoch))
 
@@ -516,45 +549,173 @@ class BlockBatches:
 
 
 class StreamBatches:
-    """Batches of a streamed, packed dataset, shuffled through a buffer and split over processes.
+    """Batches of a streamed dataset, tokenized and packed as they are read, shuffled, split over processes, and
+    resumable exactly from a small state, without reading again what was trained on.
 
-    Resuming at batch ``b`` re-reads and drops the first ``b`` batches (a stream cannot seek), so
-    a resumed run sees the same batches as an uninterrupted one, at the cost of reading them again.
+    The texts are split over processes first (``split_dataset_by_node``: whole files per process when their
+    number divides evenly, else every P-th document), then each process tokenizes its texts (documents separated
+    by the end-of-text token) into blocks of ``block_size``. Blocks are shuffled in windows: about
+    ``shuffle_buffer_size`` consecutive blocks, yielded in an order seeded by (seed, process, epoch, window).
+
+    ``state_dict(b)`` is where the stream stands after micro-batch ``b``: the dataset's own state at the start of
+    the current window (``IterableDataset.state_dict``), the tokens carried into it (fewer than a block), and how
+    many of its blocks were used. ``load_state_dict`` then ``iterate()`` reads that one window again and goes on:
+    a resume at step 19,000 costs what one at step 10 costs. Without a loaded state, ``iterate(start)`` replays
+    the stream from its beginning and drops the first ``start`` batches (what older checkpoints need).
     """
+
+    kind = "stream"
 
     def __init__(
         self,
-        blocks: datasets.IterableDataset,
+        texts: datasets.IterableDataset,
+        tokenizer,
+        packing: Packing,
         batch_size: int,
         seed: int,
         process_index: int = 0,
         num_processes: int = 1,
         shuffle_buffer_size: int = 10_000,
     ):
-        shard = split_dataset_by_node(blocks, rank=process_index, world_size=num_processes)
-        self.blocks = shard.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
-        self.batch_size = batch_size
+        self.texts = split_dataset_by_node(texts, rank=process_index, world_size=num_processes)
+        self.column, self.block_size, self.batch_size = packing.column, packing.block_size, batch_size
+        self.encode = TextEncoder(tokenizer)
+        documents = packing.documents and tokenizer.eos_token_id is not None
+        self.separator = np.array([tokenizer.eos_token_id] if documents else [], dtype=np.int64)
+        self.seed, self.process_index, self.num_processes = seed, process_index, num_processes
+        self.window_blocks = shuffle_buffer_size
+        self.states: dict[int, dict] = {}  # micro-batch index -> the state after it (kept for the few read ahead)
+        self.loaded: dict | None = None
+
+    def windows(self, start: dict) -> Iterator[tuple[dict, np.ndarray]]:
+        """(the state at the window's start, its blocks (N, T) in shuffled order), from the state ``start`` on."""
+        epoch, dataset_state, window = start["epoch"], start["dataset"], start["window"]
+        leftover = np.array(start["leftover"], dtype=np.int64)
+        while True:
+            self.texts.set_epoch(epoch)
+            if dataset_state is not None:
+                self.texts.load_state_dict(dataset_state)
+            rows, blocks_this_epoch = iter(self.texts), 0
+            while True:
+                state = {"epoch": epoch, "window": window, "dataset": dataset_state, "leftover": leftover.tolist()}
+                pieces, n_tokens, ended = [leftover], len(leftover), False
+                while n_tokens < self.window_blocks * self.block_size and not ended:
+                    texts = [row[self.column] for row in itertools.islice(rows, TEXTS_PER_CALL)]
+                    ended = len(texts) < TEXTS_PER_CALL
+                    for ids in self.encode(texts):
+                        pieces.extend((ids, self.separator))
+                        n_tokens += len(ids) + len(self.separator)
+                flat = np.concatenate(pieces)
+                n_blocks = len(flat) // self.block_size
+                blocks = flat[: n_blocks * self.block_size].reshape(n_blocks, self.block_size)
+                order = np.random.default_rng([self.seed, self.process_index, epoch, window]).permutation(n_blocks)
+                blocks_this_epoch += n_blocks
+                if n_blocks:
+                    yield state, blocks[order]
+                if ended:
+                    break
+                leftover, window = flat[n_blocks * self.block_size :], window + 1
+                dataset_state = self.texts.state_dict()
+            if blocks_this_epoch == 0:
+                raise ValueError(
+                    f"Process {self.process_index} of {self.num_processes} gets no block of {self.block_size} tokens "
+                    "from its part of the stream: give more text, lower block_size, or use fewer processes."
+                )
+            epoch, window, dataset_state, leftover = epoch + 1, 0, None, np.empty(0, dtype=np.int64)
 
     def iterate(self, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        if start:
-            logger.info(f"Resuming a streamed dataset: reading past the first {start} batches.")
-        for epoch in itertools.count():
-            self.blocks.set_epoch(epoch)
-            full_batches = 0
-            for batch in batched((row["input_ids"] for row in self.blocks), self.batch_size):
+        position = self.loaded or {"epoch": 0, "window": 0, "dataset": None, "leftover": [], "used": 0}
+        skip, replay = position["used"], 0 if self.loaded else start
+        if replay:
+            logger.info(f"Resuming a stream without its saved position: reading past the first {replay} batches.")
+        batch, index = [], start
+        for state, blocks in self.windows(position):
+            for used, block in enumerate(blocks[skip:], start=skip + 1):
+                batch.append(block)
                 if len(batch) < self.batch_size:
-                    break  # the epoch's incomplete last batch
-                full_batches += 1
-                if start:
-                    start -= 1
                     continue
-                input_ids = torch.from_numpy(np.stack([np.asarray(row) for row in batch]))  # (B, T)
+                if replay:
+                    replay, batch = replay - 1, []
+                    continue
+                self.states[index] = {**state, "used": used}
+                self.states.pop(index - 64, None)  # far behind any read-ahead
+                input_ids = torch.from_numpy(np.stack(batch))  # (B, T)
+                batch, index = [], index + 1
                 yield {"input_ids": input_ids, "labels": input_ids}
-            if full_batches == 0:
-                raise ValueError(
-                    f"The streamed training data holds fewer than {self.batch_size} blocks for this process: "
-                    "lower the batch size or block_size, or give more text."
-                )
+            skip = 0
+
+    def state_dict(self, consumed: int) -> dict:
+        """Where this process's stream stands once ``consumed`` micro-batches have been used."""
+        return {"kind": self.kind, "num_processes": self.num_processes, **self.states[consumed - 1]}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_data_state(state, self.kind, self.num_processes)
+        self.loaded = state
+
+
+def check_data_state(state: dict, kind: str, num_processes: int) -> None:
+    """Refuse a checkpoint's data position that this run's data cannot continue from: another kind of data (a
+    stream, blocks), or a stream saved by another number of processes (each process's position is its own)."""
+    if state["kind"] != kind:
+        raise ValueError(
+            f"The checkpoint was trained on {state['kind']} data and this run reads {kind} data: its position in "
+            "the data does not carry over. Resume with the data it was trained on."
+        )
+    if kind == "stream" and state["num_processes"] != num_processes:
+        raise ValueError(
+            f"The checkpoint's stream positions were saved by {state['num_processes']} process(es) and this run has "
+            f"{num_processes} (num_processes): each process reads its own part of a stream, so its position does not "
+            f"carry over to another split. Resume with {state['num_processes']} processes, or train from prepared "
+            "shards (--prepared_data), which resume with any number of processes at the same global batch."
+        )
+
+
+class Prefetched:
+    """The batches of ``iterator``, read ``depth`` ahead by a background thread (page-locked with ``pin_memory``, for
+    copies to a CUDA device that overlap compute), so reading and tokenizing happen while the model computes;
+    ``waited_s`` is the time the consumer spent waiting for them. With ``depth`` 0 each batch is read when asked
+    for, and ``waited_s`` is the time reading took."""
+
+    def __init__(self, iterator: Iterator[dict], depth: int, pin_memory: bool = False):
+        self.iterator, self.pin_memory, self.waited_s = iterator, pin_memory, 0.0
+        self.queue: queue.Queue | None = None
+        if depth > 0:
+            self.queue, self.stopped = queue.Queue(maxsize=depth), threading.Event()
+            self.thread = threading.Thread(target=self.fill, name="prefetch", daemon=True)
+            self.thread.start()
+
+    def fill(self) -> None:
+        try:
+            for batch in self.iterator:
+                if self.pin_memory:
+                    batch = {name: tensor.pin_memory() for name, tensor in batch.items()}
+                while not self.stopped.is_set():
+                    try:
+                        self.queue.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stopped.is_set():
+                    return
+        except BaseException as error:  # raised again in the consumer, where it stops the run
+            self.queue.put(error)
+
+    def __iter__(self) -> "Prefetched":
+        return self
+
+    def __next__(self) -> dict:
+        start = time.perf_counter()
+        item = next(self.iterator) if self.queue is None else self.queue.get()
+        self.waited_s += time.perf_counter() - start
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the reading thread (it ends within 0.1 s)."""
+        if self.queue is not None:
+            self.stopped.set()
+            self.thread.join()
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -599,12 +760,14 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None, to
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     with accelerator.main_process_first():
         if cfg.streaming:
-            train_blocks, eval_blocks = prepare_streaming(
-                train, validation, tokenizer, Packing.of(cfg), cfg.streaming_validation_texts, cfg.max_eval_samples
+            packing = Packing.of(cfg)
+            train_texts, eval_blocks = prepare_streaming(
+                train, validation, tokenizer, packing, cfg.streaming_validation_texts, cfg.max_eval_samples
             )
             batches = StreamBatches(
-                train_blocks, cfg.per_device_train_batch_size, shuffle_buffer_size=cfg.shuffle_buffer_size, **shard
-            )
+                train_texts, tokenizer, packing, cfg.per_device_train_batch_size,
+                shuffle_buffer_size=cfg.shuffle_buffer_size, **shard,
+            )  # fmt: skip
         else:
             train_blocks, eval_blocks = prepare_map_style(
                 train, validation, tokenizer, Packing.of(cfg), cfg.validation_split_percentage

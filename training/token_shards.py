@@ -38,6 +38,7 @@ from accelerate import Accelerator
 from .args import PrepareConfig, TrainConfig
 from .checkpointing import git_commit, package_versions
 from .data import (
+    TEXTS_PER_CALL,
     BlockBatches,
     Packing,
     TextEncoder,
@@ -55,7 +56,6 @@ META_NAME, PLAN_NAME, TOKENIZER_DIR = "meta.json", "plan.json", "tokenizer"
 VALIDATION_NAME = "validation"
 TMP_SUFFIX = ".tmp"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-TEXTS_PER_CALL = 256  # texts tokenized per batched call
 FLUSH_TOKENS = 1 << 24  # a worker writes its shard out in pieces of about this many tokens
 
 
