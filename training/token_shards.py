@@ -189,7 +189,7 @@ class ShardWriter:
         def write_all(f) -> None:
             size = 0
             for batch in batched(texts, TEXTS_PER_CALL):
-                kept = [text for text in batch if text not in self.held_out]
+                kept = [text for text in batch if text and text not in self.held_out]  # empty ones: nothing to end
                 counts["held_out_documents"] += len(batch) - len(kept)
                 for ids in encode(kept):
                     pending.extend((ids.astype(self.dtype), separator))
