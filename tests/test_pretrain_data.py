@@ -282,3 +282,21 @@ def test_streaming_carves_validation_and_resumes_from_its_saved_position(corpus,
     assert all(torch.equal(next(replayed)["input_ids"], expected) for expected in straight[7:])
     trained = tokenizer.decode(torch.cat(straight).flatten().tolist())
     assert not any(d[100:200] in trained for d in documents[:5])
+
+
+def test_tiktoken_gives_the_byte_level_bpes_own_ids(corpus):
+    """TextEncoder runs a byte-level BPE through tiktoken (TiktokenBPE: each token's bytes ranked by its id) and
+    gets the tokenizer's own ids for every one of 1,000 documents of Tiny Shakespeare and for text it never saw
+    (accents, emoji, digits, runs of spaces), with its check of the first texts passed; a text holding
+    <|endoftext|> is left to the tokenizer, which matches the token whole."""
+    from training.data import TextEncoder, TiktokenBPE
+
+    tokenizer = train_bpe_tokenizer([corpus[:300_000]], vocab_size=2000)
+    encode = TextEncoder(tokenizer)
+    assert isinstance(encode.bpe, TiktokenBPE)
+    texts = [corpus[i : i + 1000] for i in range(0, 1_000_000, 1000)]
+    texts += ["naïve café ✓ 1234   spaces\n\n\ttabs 🙂", "To be<|endoftext|>or not", "", "  x"]
+    expected = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    assert [ids.tolist() for ids in encode(texts)] == expected
+    assert encode.bpe.agrees and encode.bpe.unchecked == 0
+    assert TiktokenBPE.of(train_char_tokenizer(["abc"])) is None

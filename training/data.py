@@ -262,21 +262,106 @@ class CharEncoder:
 
 class TextEncoder:
     """The token ids of many texts at once, without special tokens, as int64 arrays: ``CharEncoder``'s table for a
-    character tokenizer, else the ``tokenizers`` tokenizer's batched call (Rust, no Python per token)."""
+    character tokenizer, tiktoken for a byte-level BPE when it is installed (``TiktokenBPE``), else the ``tokenizers``
+    tokenizer's batched call (Rust, no Python per token). A text holding an added token (``<|endoftext|>``) goes
+    to the tokenizer itself, which matches that token whole."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer, self.chars = tokenizer, CharEncoder.of(tokenizer)
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.bpe = TiktokenBPE.of(tokenizer) if self.chars is None else None
 
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
-        ids = [self.chars(text) for text in texts] if self.chars is not None else [None] * len(texts)
+        ids = [None] * len(texts)
+        if self.chars is not None:
+            ids = [self.chars(text) for text in texts]
+        elif self.bpe is not None:
+            ids = self.bpe(texts)
         if rest := [i for i, row in enumerate(ids) if row is None]:  # the tokenizer's own call, batched
             if self.backend is not None:
-                encoded = [e.ids for e in self.backend.encode_batch([texts[i] for i in rest], add_special_tokens=False)]
+                some = [texts[i] for i in rest]
+                encoded = [e.ids for e in self.backend.encode_batch_fast(some, add_special_tokens=False)]
             else:
                 encoded = self.tokenizer([texts[i] for i in rest], add_special_tokens=False)["input_ids"]
             for i, row in zip(rest, encoded):
                 ids[i] = np.array(row, dtype=np.int64)
+        return ids
+
+
+def byte_level_characters() -> dict[int, str]:
+    """The character a byte-level BPE writes for each byte (GPT-2's table): printable Latin-1 bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = (b for b in range(256) if b not in printable)
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+
+
+# GPT-2's pre-tokenizer pattern, as tiktoken writes it: what the ByteLevel pre-tokenizer splits text by
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TiktokenBPE:
+    """A byte-level BPE of ``train_bpe_tokenizer``'s kind run by tiktoken (faster than the ``tokenizers`` library's
+    speed on one core here: ``python -m benchmarks.prepare_data``), for preparing data.
+
+    tiktoken merges, in each pre-tokenized word, the adjacent pair whose joined bytes form the token of the lowest
+    id, until none does. A BPE trainer numbers its tokens in the order it learns the merges and applies each merge
+    to every word as it learns it, so that is the merge the trained tokenizer makes too, and the ids agree; the first
+    ``CHECKED`` texts are encoded both ways to make sure, and any difference switches tiktoken off (with a warning).
+    ``of`` gives None for any other tokenizer, or without tiktoken."""
+
+    CHECKED = 64  # texts encoded both ways by each encoder (one per shard when preparing)
+
+    def __init__(self, encoding, backend, special_tokens: list[str]):
+        self.encoding, self.backend, self.special_tokens = encoding, backend, special_tokens
+        self.unchecked, self.agrees = self.CHECKED, True
+
+    @classmethod
+    def of(cls, tokenizer) -> "TiktokenBPE | None":
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        try:
+            import tiktoken
+        except ImportError:
+            return None
+        if backend is None:
+            return None
+        state = json.loads(backend.to_str())
+        model, pre = state["model"], state["pre_tokenizer"] or {}
+        byte_level = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+        if model["type"] != "BPE" or not byte_level or state["normalizer"] is not None or model.get("dropout"):
+            return None
+        special_tokens = [token["content"] for token in state["added_tokens"]]
+        to_byte = {char: byte for byte, char in byte_level_characters().items()}
+        ranks = {}
+        for token, token_id in model["vocab"].items():
+            if token in special_tokens:
+                continue
+            if any(char not in to_byte for char in token):
+                return None
+            ranks[bytes(to_byte[char] for char in token)] = token_id
+        if len(ranks) < 256:
+            return None
+        encoding = tiktoken.Encoding("decoderlab-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+        return cls(encoding, backend, special_tokens)
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray | None]:
+        """The ids of each text, None for one holding an added token (left to the tokenizer) or when tiktoken was
+        found to disagree."""
+        if not self.agrees:
+            return [None] * len(texts)
+        plain = [i for i, text in enumerate(texts) if not any(token in text for token in self.special_tokens)]
+        encoded = [self.encoding.encode_ordinary(texts[i]) for i in plain]
+        if self.unchecked > 0:
+            n = min(self.unchecked, len(plain))
+            reference = self.backend.encode_batch_fast([texts[i] for i in plain[:n]], add_special_tokens=False)
+            self.unchecked -= n
+            if any(ids != e.ids for ids, e in zip(encoded, reference)):
+                logger.warning("tiktoken's ids differ from the tokenizer's: tokenizing with the tokenizer itself.")
+                self.agrees = False
+                return [None] * len(texts)
+        ids: list[np.ndarray | None] = [None] * len(texts)
+        for i, row in zip(plain, encoded):
+            ids[i] = np.array(row, dtype=np.int64)
         return ids
 
 
