@@ -301,8 +301,8 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 
 
 class TiktokenBPE:
-    """A byte-level BPE of ``train_bpe_tokenizer``'s kind run by tiktoken (faster than the ``tokenizers`` library's
-    speed on one core here: ``python -m benchmarks.prepare_data``), for preparing data.
+    """A byte-level BPE of ``train_bpe_tokenizer``'s kind run by tiktoken, faster than the ``tokenizers`` library
+    (``python -m benchmarks.prepare_data`` measures the preparation), for preparing and packing data.
 
     tiktoken merges, in each pre-tokenized word, the adjacent pair whose joined bytes form the token of the lowest
     id, until none does. A BPE trainer numbers its tokens in the order it learns the merges and applies each merge

@@ -1,0 +1,135 @@
+"""Resume cost: time from launching training/pretrain.py to its first step, resuming at step 10 and at step 10,000.
+
+    python -m benchmarks.resume_time --json_out benchmarks/results/resume_time.json
+
+Two kinds of data, on one corpus laid out like FineWeb-Edu (``benchmarks.prepare_data.write_corpus``): prepared
+token shards (``--prepared_data``) and the stream (``--streaming``). A tiny model trains 10 real steps and saves a
+checkpoint; the checkpoint at step 10,000 is that checkpoint with its step set to 10,000 and, for the stream, the
+data position a stream really reaches after 10,000 batches (``StreamBatches`` read that far here, untimed): what
+resuming costs depends on the data position, not on the weights. Each resume is a fresh process, timed from launch
+until its first step's record is in metrics.jsonl; the stream is also resumed without its saved position (the
+replay older checkpoints fall back on, the only way before). The runs alternate, ``--repeats`` times.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import load_average, machine_line, write_timing
+from benchmarks.prepare_data import REPO_ROOT, write_corpus
+
+PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
+TINY = ["--block_size", "64", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_steps", "none",
+        "--max_eval_samples", "8", "--model.hidden_size", "32", "--model.num_hidden_layers", "1",
+        "--model.num_attention_heads", "2", "--tokenizer_type", "char", "--checkpoints_total_limit", "5"]  # fmt: skip
+FAR = 10_000
+
+
+def environment(tmp: pathlib.Path) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "HF_DATASETS_CACHE": str(tmp / "cache"), "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+
+
+def time_to_first_step(arguments: list[str], output: pathlib.Path, first: int, env: dict) -> float:
+    """Launch pretrain.py and return the seconds until metrics.jsonl records step ``first``; then stop it."""
+    metrics = output / "metrics.jsonl"
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, str(PRETRAIN), *arguments], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    while not (metrics.is_file() and any(json.loads(line)["step"] == first for line in metrics.read_text().splitlines())):
+        if process.poll() is not None:
+            raise RuntimeError(f"pretrain.py ended before step {first}:\n{process.stderr.read()[-3000:]}")
+        time.sleep(0.01)
+    seconds = time.perf_counter() - start
+    process.kill()
+    process.wait()
+    process.stderr.close()
+    return seconds
+
+
+def far_checkpoint(near: pathlib.Path, far: pathlib.Path, stream_position: dict | None) -> None:
+    """``near`` (step 10) copied to ``far`` as step FAR, with the stream's position after FAR batches."""
+    shutil.copytree(near, far)
+    state = json.loads((far / "training_state.json").read_text())
+    (far / "training_state.json").write_text(json.dumps({**state, "step": FAR}))
+    if stream_position is not None:
+        (far / "data_state_0.json").write_text(json.dumps(stream_position))
+
+
+def stream_position_after(corpus: pathlib.Path, tokenizer_folder: pathlib.Path, batches: int) -> dict:
+    """Where the stream of the runs below stands after ``batches`` micro-batches (read here, untimed)."""
+    from transformers import AutoTokenizer
+
+    from training.args import TrainConfig
+    from training.data import Packing, StreamBatches, load_text_splits, prepare_streaming
+
+    cfg = TrainConfig(dataset_name=str(corpus), streaming=True, block_size=64, streaming_validation_texts=1000)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    texts, _ = prepare_streaming(*load_text_splits(cfg), tokenizer, Packing.of(cfg), cfg.streaming_validation_texts)
+    stream = StreamBatches(texts, tokenizer, Packing.of(cfg), 4, seed=1337, shuffle_buffer_size=cfg.shuffle_buffer_size)
+    iterator = stream.iterate()
+    for _ in range(batches):
+        next(iterator)
+    return stream.state_dict(batches)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megabytes", type=float, default=30.0, help="size of the corpus's text")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json_out", default=None)
+    args = parser.parse_args(argv)
+    load_before = load_average()
+    print(machine_line(threads=1))
+    samples: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        env = environment(tmp)
+        write_corpus(tmp / "corpus", args.megabytes)
+        subprocess.run([sys.executable, str(REPO_ROOT / "training" / "prepare_data.py"), "--dataset_name",
+                        str(tmp / "corpus"), "--output_dir", str(tmp / "data"), "--tokenizer_type", "char"],
+                       env=env, check=True, capture_output=True)  # fmt: skip
+        sources = {
+            "prepared": ["--prepared_data", str(tmp / "data")],
+            "stream": ["--dataset_name", str(tmp / "corpus"), "--streaming", "true", "--tokenizer_type", "pretrained",
+                       "--tokenizer_name", str(tmp / "data" / "tokenizer")],  # fmt: skip
+        }
+        runs = {}
+        for name, source in sources.items():
+            base = tmp / f"{name}-base"
+            subprocess.run([sys.executable, str(PRETRAIN), *TINY, *source, "--max_train_steps", "10",
+                            "--checkpointing_steps", "10", "--output_dir", str(base)],
+                           env=env, check=True, capture_output=True)  # fmt: skip
+            position = stream_position_after(tmp / "corpus", tmp / "data" / "tokenizer", FAR) if name == "stream" else None
+            far_checkpoint(base / "step_10", tmp / f"{name}-far", position)
+            runs[f"{name}, resumed at step 10"] = (source, base / "step_10", 11)
+            runs[f"{name}, resumed at step {FAR:,}"] = (source, tmp / f"{name}-far", FAR + 1)
+        replay = tmp / "stream-replay"
+        shutil.copytree(tmp / "stream-far", replay)
+        (replay / "data_state_0.json").unlink()  # a checkpoint without the stream's position: replayed
+        runs[f"stream, replayed to step {FAR:,} (before)"] = (sources["stream"], replay, FAR + 1)
+        for round_index in range(args.repeats):
+            for name, (source, checkpoint, first) in runs.items():
+                output = tmp / f"out-{round_index}-{len(samples.get(name, []))}-{abs(hash(name))}"
+                arguments = [*TINY, *source, "--max_train_steps", str(first + 5), "--checkpointing_steps", "none",
+                             "--output_dir", str(output), "--resume_from_checkpoint", str(checkpoint)]  # fmt: skip
+                seconds = time_to_first_step(arguments, output, first, env)
+                samples.setdefault(name, []).append(seconds)
+                print(f"  {name:42s} {seconds:6.2f} s")
+    medians = {name: statistics.median(s) for name, s in samples.items()}
+    print("median seconds from launch to the first step:")
+    for name, value in medians.items():
+        print(f"  {name:42s} {value:6.2f} s")
+    write_timing(args.json_out, 1, load_before, megabytes=args.megabytes, far_step=FAR,
+                 median_seconds_to_first_step=medians, samples_s=samples)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
