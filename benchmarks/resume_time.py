@@ -3,8 +3,8 @@
     python -m benchmarks.resume_time --json_out benchmarks/results/resume_time.json
 
 Two kinds of data, on one corpus laid out like FineWeb-Edu (``benchmarks.prepare_data.write_corpus``): prepared
-token shards (``--prepared_data``) and the stream (``--streaming``). A tiny model trains 10 real steps and saves a
-checkpoint; the checkpoint at step 10,000 is that checkpoint with its step set to 10,000 and, for the stream, the
+token shards (``--prepared_data``) and the stream (``--streaming``). A tiny model trains 10 real steps of the ``fineweb_edu_bpe`` recipe's data shape
+(16 blocks of 1024 tokens of a byte-level BPE; the stream shuffles windows of 1000 blocks) and saves a checkpoint; the checkpoint at step 10,000 is that checkpoint with its step set to 10,000 and, for the stream, the
 data position a stream really reaches after 10,000 batches (``StreamBatches`` read that far here, untimed): what
 resuming costs depends on the data position, not on the weights. Each resume is a fresh process, timed from launch
 until its first step's record is in metrics.jsonl; the stream is also resumed without its saved position (the
@@ -26,9 +26,11 @@ from benchmarks.common import load_average, machine_line, write_timing
 from benchmarks.prepare_data import REPO_ROOT, write_corpus
 
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
-TINY = ["--block_size", "64", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--eval_steps", "none",
-        "--max_eval_samples", "8", "--model.hidden_size", "32", "--model.num_hidden_layers", "1",
-        "--model.num_attention_heads", "2", "--tokenizer_type", "char", "--checkpoints_total_limit", "5"]  # fmt: skip
+# the fineweb_edu_bpe recipe's data shape (blocks of 1024 tokens, 16 a step, a byte-level BPE) with a tiny model
+BLOCK, BATCH, WINDOW = 1024, 16, 1000
+TINY = ["--block_size", str(BLOCK), "--per_device_train_batch_size", str(BATCH), "--logging_steps", "1",
+        "--eval_steps", "none", "--max_eval_samples", "4", "--model.hidden_size", "32", "--model.num_hidden_layers",
+        "1", "--model.num_attention_heads", "2", "--checkpoints_total_limit", "5"]  # fmt: skip
 FAR = 10_000
 
 
@@ -70,10 +72,10 @@ def stream_position_after(corpus: pathlib.Path, tokenizer_folder: pathlib.Path, 
     from training.args import TrainConfig
     from training.data import Packing, StreamBatches, load_text_splits, prepare_streaming
 
-    cfg = TrainConfig(dataset_name=str(corpus), streaming=True, block_size=64, streaming_validation_texts=1000)
+    cfg = TrainConfig(dataset_name=str(corpus), streaming=True, block_size=BLOCK, streaming_validation_texts=1000)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     texts, _ = prepare_streaming(*load_text_splits(cfg), tokenizer, Packing.of(cfg), cfg.streaming_validation_texts)
-    stream = StreamBatches(texts, tokenizer, Packing.of(cfg), 4, seed=1337, shuffle_buffer_size=cfg.shuffle_buffer_size)
+    stream = StreamBatches(texts, tokenizer, Packing.of(cfg), BATCH, seed=1337, shuffle_buffer_size=WINDOW)
     iterator = stream.iterate()
     for _ in range(batches):
         next(iterator)
@@ -94,12 +96,13 @@ def main(argv: list[str] | None = None) -> None:
         env = environment(tmp)
         write_corpus(tmp / "corpus", args.megabytes)
         subprocess.run([sys.executable, str(REPO_ROOT / "training" / "prepare_data.py"), "--dataset_name",
-                        str(tmp / "corpus"), "--output_dir", str(tmp / "data"), "--tokenizer_type", "char"],
+                        str(tmp / "corpus"), "--output_dir", str(tmp / "data"), "--tokenizer_type", "bpe",
+                        "--bpe_vocab_size", "8192", "--tokenizer_train_texts", "2000"],
                        env=env, check=True, capture_output=True)  # fmt: skip
         sources = {
             "prepared": ["--prepared_data", str(tmp / "data")],
             "stream": ["--dataset_name", str(tmp / "corpus"), "--streaming", "true", "--tokenizer_type", "pretrained",
-                       "--tokenizer_name", str(tmp / "data" / "tokenizer")],  # fmt: skip
+                       "--tokenizer_name", str(tmp / "data" / "tokenizer"), "--shuffle_buffer_size", str(WINDOW)],
         }
         runs = {}
         for name, source in sources.items():
