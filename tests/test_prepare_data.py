@@ -21,7 +21,8 @@ from tests.training_runs import kill_when_saved, subprocess_env, train_losses
 from training import prepare_data, pretrain
 from training.args import TrainConfig
 from training.data import BlockBatches, Packing, StreamBatches, load_text_splits, prepare_streaming
-from training.token_shards import META_NAME, PreparedData, tokenizer_hash
+from training.loop import make_accelerator
+from training.token_shards import META_NAME, PreparedData, prepared_batches, tokenizer_hash
 
 PREPARE = REPO_ROOT / "training" / "prepare_data.py"
 FILES, PER_FILE = 14, 40
@@ -161,8 +162,9 @@ def test_unfinished_or_changed_preparations_are_refused(corpus, prepared, tmp_pa
 
 
 def test_tokenizer_other_than_the_datas_is_refused_naming_both_hashes(prepared, tmp_path):
-    """Training on prepared shards with another tokenizer (the config's --tokenizer_name, here a character
-    vocabulary of other text) stops before any step, naming the data's tokenizer hash and the other's."""
+    """Training on prepared shards with another tokenizer (the config's --tokenizer_name, or a resumed checkpoint's;
+    here a character vocabulary of other text) stops before any step, naming the data's tokenizer hash and the
+    other's."""
     from training.data import train_char_tokenizer
 
     other = train_char_tokenizer(["other text"])
@@ -173,6 +175,11 @@ def test_tokenizer_other_than_the_datas_is_refused_naming_both_hashes(prepared, 
         pretrain.main(["--prepared_data", str(prepared), "--output_dir", str(output), "--tokenizer_type",
                        "pretrained", "--tokenizer_name", str(tmp_path / "other")])  # fmt: skip
     assert not (output / "metrics.jsonl").exists()
+    checkpoint = tmp_path / "step_10"  # what a checkpoint of a run on other data holds: its tokenizer
+    other.save_pretrained(checkpoint)
+    cfg = TrainConfig(prepared_data=str(prepared), output_dir=str(output))
+    with pytest.raises(ValueError, match=f"tokenizer {ours}, but the checkpoint {checkpoint}'s tokenizer is {theirs}"):
+        prepared_batches(cfg, make_accelerator(cfg), checkpoint=checkpoint)
 
 
 def test_bad_corpora_are_refused_before_any_step(tmp_path):

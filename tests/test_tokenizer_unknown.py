@@ -90,3 +90,21 @@ def test_lm_eval_command_runs_a_task_with_digits_and_accents(checkpoint, tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())["results"]
     assert math.isfinite(results["unknown_lines"]["bits_per_byte,none"])
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_trains_on_text_with_digits_and_accents(checkpoint, tmp_path):
+    """TRL's SFTTrainer tokenizes a dataset of lines with digits and accents through the checkpoint's tokenizer
+    (<|unk|> where the vocabulary lacks a character) and trains two steps to finite losses."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    lines = ["Café 1234 au lait", "Año 2024: 3 niños", "ROMEO: 42 ducats", "Ünïcödé 7"] * 2
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+                     report_to=[], save_strategy="no", use_cpu=True, max_length=32)  # fmt: skip
+    trainer = SFTTrainer(model=str(checkpoint), args=args, train_dataset=Dataset.from_dict({"text": lines}))
+    unk = trainer.processing_class.unk_token_id
+    assert any(unk in ids for ids in trainer.train_dataset["input_ids"])
+    trainer.train()
+    losses = [record["loss"] for record in trainer.state.log_history if "loss" in record]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)

@@ -12,7 +12,11 @@ The path from a dataset to batches:
    under a fingerprint of the dataset, the tokenizer and the packing settings, so a second run with
    the same data and tokenizer reads the blocks from disk instead of tokenizing again.
 4. ``BlockBatches`` / ``StreamBatches``: endless batches in a seeded order, sharded over processes,
-   resumable at any batch without replaying the ones before it (``BlockBatches``).
+   resumable at any batch without reading again the ones before it (a stream from the position its checkpoint
+   saved); ``Prefetched`` reads them ahead in a thread.
+
+Corpora too large to tokenize at every start are prepared once into token shards instead
+(``training/prepare_data.py``, ``training.token_shards``), which ``BlockBatches`` reads through np.memmap.
 
 Batches follow the transformers convention: ``labels`` are the input ids and the model shifts them.
 """
