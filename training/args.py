@@ -157,8 +157,8 @@ class TrainConfig(Config):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
-        if self.prefetch_batches < 0:
-            raise ValueError(f"prefetch_batches must be 0 (no read-ahead) or more, got {self.prefetch_batches}.")
+        if not 0 <= self.prefetch_batches <= 1024:
+            raise ValueError(f"prefetch_batches must be from 0 (no read-ahead) to 1024, got {self.prefetch_batches}.")
         if self.block_size < 2:
             raise ValueError("block_size must be at least 2 (a block predicts its tokens after the first), got 1.")
         for name in ("learning_rate", "embedding_learning_rate", "adam_epsilon"):

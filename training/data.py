@@ -59,6 +59,7 @@ CHAR_PATTERN = "(?m)."
 CHAR_SPLIT = {"type": "Split", "pattern": {"Regex": CHAR_PATTERN}, "behavior": "Isolated", "invert": False}
 PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
 TEXTS_PER_CALL = 256  # texts tokenized per batched call
+KEPT_STATES = 4096  # a stream's positions kept for the batches read ahead of the step (prefetch_batches is fewer)
 
 TextSplit = datasets.Dataset | datasets.IterableDataset
 
@@ -727,7 +728,7 @@ class StreamBatches:
                     replay, batch = replay - 1, []
                     continue
                 self.states[index] = {**state, "used": used}
-                self.states.pop(index - 64, None)  # far behind any read-ahead
+                self.states.pop(index - KEPT_STATES, None)  # far behind the batches read ahead
                 input_ids = torch.from_numpy(np.stack(batch))  # (B, T)
                 batch, index = [], index + 1
                 yield {"input_ids": input_ids, "labels": input_ids}
