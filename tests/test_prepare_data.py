@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tests.corpus import tags, write_fineweb_like
 from tests.paths import REPO_ROOT
-from tests.training_runs import kill_when_saved, subprocess_env, train_losses
+from tests.training_runs import kill_when_saved, metrics, subprocess_env, train_losses
 from training import prepare_data, pretrain
 from training.args import TrainConfig
 from training.data import BlockBatches, Packing, StreamBatches, load_text_splits, prepare_streaming
@@ -125,7 +125,8 @@ def test_no_validation_document_in_any_process_training_batches(corpus, prepared
 
 def test_training_from_prepared_shards_equals_training_in_memory(tmp_path):
     """Tiny Shakespeare prepared into shards trains to the same losses as the in-memory path of `make demo` (the
-    same blocks in the same order: the same token stream cut into the same blocks, and BlockBatches' order)."""
+    same blocks in the same order: the same token stream cut into the same blocks, and BlockBatches' order); each
+    training record of metrics.jsonl says how long the process waited for its batches (data_wait_s)."""
     from tests.paths import SHARED_DATA
 
     dataset = str(SHARED_DATA / "tiny_shakespeare")
@@ -136,6 +137,8 @@ def test_training_from_prepared_shards_equals_training_in_memory(tmp_path):
     pretrain.main(["--dataset_name", dataset, "--output_dir", str(tmp_path / "memory"), *tiny])
     pretrain.main(["--prepared_data", str(tmp_path / "data"), "--output_dir", str(tmp_path / "shards"), *tiny])
     assert train_losses(tmp_path / "shards") == train_losses(tmp_path / "memory")
+    records = [r for r in metrics(tmp_path / "shards") if "train_loss" in r]
+    assert all(0 <= r["data_wait_s"] < r["elapsed_s"] for r in records)  # the wait for batches, per record
 
 
 def test_unfinished_or_changed_preparations_are_refused(corpus, prepared, tmp_path):

@@ -300,3 +300,28 @@ def test_tiktoken_gives_the_byte_level_bpes_own_ids(corpus):
     assert [ids.tolist() for ids in encode(texts)] == expected
     assert encode.bpe.agrees and encode.bpe.unchecked == 0
     assert TiktokenBPE.of(train_char_tokenizer(["abc"])) is None
+
+
+def test_prefetched_batches_are_the_batches_in_order_and_errors_reach_the_consumer():
+    """The read-ahead thread yields exactly the iterator's batches, in order, for depths 0, 1 and 4; counts the
+    time the consumer waited; stops when closed; and an error raised while reading reaches the consumer (a run
+    stops with the data's own error rather than waiting forever)."""
+    from training.data import Prefetched
+
+    blocks = torch.arange(40 * 4).view(40, 4)
+    expected = take(BlockBatches(blocks, batch_size=3, seed=7), 0, 30)
+    for depth in (0, 1, 4):
+        prefetched = Prefetched(BlockBatches(blocks, batch_size=3, seed=7).iterate(), depth)
+        assert all(torch.equal(next(prefetched)["input_ids"], batch) for batch in expected)
+        assert prefetched.waited_s > 0
+        prefetched.close()
+
+    def failing():
+        yield {"input_ids": blocks[:2]}
+        raise ValueError("shard train-00003.bin is truncated")
+
+    prefetched = Prefetched(failing(), depth=2)
+    next(prefetched)
+    with pytest.raises(ValueError, match="truncated"):
+        next(prefetched)
+    prefetched.close()
