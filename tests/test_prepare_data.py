@@ -78,6 +78,25 @@ def test_shards_hold_each_training_document_once_then_end_of_text(corpus, prepar
     assert not list(prepared.rglob("*.tmp"))
 
 
+def test_a_streamed_source_is_prepared_one_shard_per_file(corpus, tmp_path):
+    """--streaming true (FineWeb-Edu's case: nothing downloaded up front): one shard per parquet file, written by
+    the worker processes; the first 20 documents of the stream validate and are in no shard; every other document
+    is in its file's shard, in order, once. The BPE is learnt from a sample of every file."""
+    dataset, documents = corpus
+    argv = ["--dataset_name", str(dataset), "--output_dir", str(tmp_path / "data"), "--streaming", "true",
+            "--streaming_validation_texts", "20", "--tokenizer_type", "bpe", "--bpe_vocab_size", "400",
+            "--tokenizer_train_texts", "140", "--preprocessing_num_workers", "2"]  # fmt: skip
+    meta = prepare_data.main(argv)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "data" / "tokenizer")
+    assert len(meta["train"]) == FILES and meta["validation"]["documents"] == 20
+    for f, info in enumerate(meta["train"]):
+        ids = np.fromfile(tmp_path / "data" / info["file"], dtype=np.uint16).tolist()
+        texts = tokenizer.decode(ids).split("<|endoftext|>")[:-1]
+        assert texts == [d for d in documents[f * PER_FILE : (f + 1) * PER_FILE] if d not in documents[:20]], f
+    validation = tokenizer.decode(np.fromfile(tmp_path / "data" / "validation.bin", dtype=np.uint16).tolist())
+    assert validation.split("<|endoftext|>")[:-1] == documents[:20]
+
+
 def epoch_tags(batches: BlockBatches | StreamBatches, tokenizer) -> set[int]:
     """The documents named in one epoch of one process's training blocks."""
     if isinstance(batches, BlockBatches):
