@@ -9,6 +9,12 @@ data position a stream really reaches after 10,000 batches (``StreamBatches`` re
 resuming costs depends on the data position, not on the weights. Each resume is a fresh process, timed from launch
 until its first step's record is in metrics.jsonl; the stream is also resumed without its saved position (the
 replay older checkpoints fall back on, the only way before). The runs alternate, ``--repeats`` times.
+
+    python -m benchmarks.resume_time --tiny_shakespeare --json_out benchmarks/results/resume_time-tiny_shakespeare.json
+
+times instead ``make demo``'s recipe on Tiny Shakespeare from a fresh start (launch to first step, and
+the loop; ``--steps``): in memory, in memory without the read-ahead thread, and from prepared shards; what decides whether the
+small corpus needs the preparation step, and that the thread costs ``make demo`` nothing.
 """
 
 import argparse
@@ -82,12 +88,77 @@ def stream_position_after(corpus: pathlib.Path, tokenizer_folder: pathlib.Path, 
     return stream.state_dict(batches)
 
 
+def first_step_and_loop(arguments: list[str], output: pathlib.Path, env: dict) -> tuple[float, float]:
+    """Run pretrain.py to its end: (seconds from launch to step 1's record, the loop's seconds from step 1 to the
+    last step, from metrics.jsonl's elapsed_s)."""
+    metrics = output / "metrics.jsonl"
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, str(PRETRAIN), *arguments], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)  # fmt: skip
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        if process.poll() is not None:
+            raise RuntimeError(f"pretrain.py {' '.join(arguments)} failed")
+        time.sleep(0.01)
+    first = time.perf_counter() - start
+    process.wait()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    trained = [r for r in records if "train_loss" in r]
+    return first, trained[-1]["elapsed_s"] - trained[0]["elapsed_s"]
+
+
+def tiny_shakespeare(repeats: int, steps: int, json_out: str | None) -> None:
+    """``make demo``'s recipe on Tiny Shakespeare, ``steps`` steps, three ways, each a fresh start: in memory (the
+    tokenized blocks in datasets' cache after the first run), in memory without the read-ahead thread
+    (``--prefetch_batches 0``), and from prepared shards (prepared once, timed apart)."""
+    from training.data import tiny_shakespeare as dataset
+
+    load_before = load_average()
+    print(machine_line(threads=2))
+    recipe = ["--config", str(REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"), "--logging_steps", "1",
+              "--max_train_steps", str(steps), "--eval_steps", "none", "--checkpointing_steps", "none",
+              "--max_eval_samples", "32"]  # fmt: skip
+    samples: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        env = {**environment(tmp), "OMP_NUM_THREADS": "2"}  # make demo's threads
+        start = time.perf_counter()
+        subprocess.run([sys.executable, str(REPO_ROOT / "training" / "prepare_data.py"), *recipe[:2], "--dataset_name",
+                        dataset(), "--output_dir", str(tmp / "data")], env=env, check=True, capture_output=True)  # fmt: skip
+        preparing = time.perf_counter() - start
+        print(f"  prepare_data.py, once: {preparing:.2f} s")
+        runs = {
+            "in memory (make demo)": ["--dataset_name", dataset()],
+            "in memory, no read-ahead": ["--dataset_name", dataset(), "--prefetch_batches", "0"],
+            "prepared shards": ["--prepared_data", str(tmp / "data")],
+        }
+        for round_index in range(repeats + 1):  # the first round fills datasets' cache, untimed
+            for name, source in runs.items():
+                output = tmp / f"run-{round_index}-{len(samples.get(name, {}).get('first_step_s', []))}-{name[:5]}"
+                first, loop = first_step_and_loop([*recipe, *source, "--output_dir", str(output)], output, env)
+                if round_index:
+                    run = samples.setdefault(name, {"first_step_s": [], "loop_s": []})
+                    run["first_step_s"].append(first)
+                    run["loop_s"].append(loop)
+                print(f"  {name:26s} first step after {first:6.2f} s, {steps - 1} steps in {loop:6.2f} s"
+                      f"{'' if round_index else ' (warm-up)'}")  # fmt: skip
+    medians = {name: {k: statistics.median(v) for k, v in run.items()} for name, run in samples.items()}
+    for name, median in medians.items():
+        print(f"median {name:26s} first step {median['first_step_s']:6.2f} s, loop {median['loop_s']:6.2f} s")
+    write_timing(json_out, 2, load_before, prepare_data_s=preparing, medians=medians, samples=samples)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megabytes", type=float, default=30.0, help="size of the corpus's text")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny_shakespeare", action="store_true",
+                        help="instead: make demo's fresh start in memory against from prepared shards")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=200, help="--tiny_shakespeare: steps of each run")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)
+    if args.tiny_shakespeare:
+        tiny_shakespeare(args.repeats, args.steps, args.json_out)
+        return
     load_before = load_average()
     print(machine_line(threads=1))
     samples: dict[str, list[float]] = {}
