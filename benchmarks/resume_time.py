@@ -132,8 +132,8 @@ def tiny_shakespeare(repeats: int, steps: int, json_out: str | None) -> None:
             "prepared shards": ["--prepared_data", str(tmp / "data")],
         }
         for round_index in range(repeats + 1):  # the first round fills datasets' cache, untimed
-            for name, source in runs.items():
-                output = tmp / f"run-{round_index}-{len(samples.get(name, {}).get('first_step_s', []))}-{name[:5]}"
+            for index, (name, source) in enumerate(runs.items()):
+                output = tmp / f"run-{round_index}-{index}"
                 first, loop = first_step_and_loop([*recipe, *source, "--output_dir", str(output)], output, env)
                 if round_index:
                     run = samples.setdefault(name, {"first_step_s": [], "loop_s": []})
