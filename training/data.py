@@ -802,10 +802,11 @@ class Prefetched:
         return item
 
     def close(self) -> None:
-        """Stop the reading thread (it ends within 0.1 s)."""
+        """Stop the reading thread: it ends within 0.1 s once its current batch is read (a daemon thread, so one
+        stuck in a read does not keep the process alive)."""
         if self.queue is not None:
             self.stopped.set()
-            self.thread.join()
+            self.thread.join(timeout=5)
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
