@@ -155,12 +155,17 @@ def test_missing_columns_are_named_with_the_ones_that_exist():
 
 
 def test_malformed_messages_and_unknown_characters_are_clear_errors(char_tokenizer):
-    """A chat row that is not a list of role/content messages, and text outside a character vocabulary,
-    each name the example instead of failing inside the tokenizer or the template."""
+    """A chat row that is not a list of role/content messages, and text outside the vocabulary of a character
+    tokenizer without an unknown token (saved before they had <|unk|>), each name the example instead of failing
+    inside the tokenizer or the template. Today's character tokenizer gives such characters its <|unk|> id."""
     char_tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     with pytest.raises(ValueError, match=r"Example 3: column 'messages' must hold a list of"):
         tokenize_example({"messages": [{"role": "user"}]}, char_tokenizer, config(data_format="chat"), 3)
+    from tests.training_runs import char_tokenizer_without_special_tokens
+
+    old = char_tokenizer_without_special_tokens([INPUT_TXT.read_text(encoding="utf-8")])
+    example = {"prompt": "<|user|>", "completion": "x"}
     with pytest.raises(ValueError, match=r"Example 5 cannot be tokenized .*character-level tokenizer"):
-        tokenize_example(
-            {"prompt": "<|user|>", "completion": "x"}, char_tokenizer, config(data_format="prompt_completion"), 5
-        )
+        tokenize_example(example, old, config(data_format="prompt_completion"), 5)
+    ids = tokenize_example(example, char_tokenizer, config(data_format="prompt_completion"), 5)["input_ids"]
+    assert char_tokenizer.unk_token_id in ids

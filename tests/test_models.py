@@ -41,7 +41,7 @@ def test_saved_files_name_the_end_of_text_token_as_eos_padding_and_bos(new_check
     for name in ("config.json", "generation_config.json"):
         config = json.loads((new_checkpoint / name).read_text())
         assert (config["eos_token_id"], config["pad_token_id"], config["bos_token_id"]) == (65, 65, 65), name
-    assert json.loads((new_checkpoint / "config.json").read_text())["vocab_size"] == 66
+    assert json.loads((new_checkpoint / "config.json").read_text())["vocab_size"] == 67  # and <|unk|>, id 66
 
 
 def test_text_generation_pipeline_batches_prompts_of_different_lengths(new_checkpoint):

@@ -136,3 +136,27 @@ def test_missing_config_file():
     """--config pointing nowhere says so instead of training the defaults."""
     with pytest.raises(ValueError, match="no such file"):
         parse_config(TrainConfig, ["--config", "training/configs/nope.yaml"])
+
+
+def test_prepare_config_writes_where_the_flag_or_prepared_data_says_never_the_recipes_output_dir(tmp_path):
+    """prepare_data.py reads a training recipe whole, but the recipe's output_dir is its training run's folder: the
+    shards go to --output_dir, else to the recipe's prepared_data, and with neither the command says what to pass."""
+    from training.args import PrepareConfig
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("output_dir: out/run\nprepared_data: data/shards\nblock_size: 32\n")
+    assert parse_config(PrepareConfig, ["--config", str(recipe)]).output_dir == "data/shards"
+    assert parse_config(PrepareConfig, ["--config", str(recipe), "--output_dir", "elsewhere"]).output_dir == "elsewhere"
+    recipe.write_text("output_dir: out/run\n")
+    with pytest.raises(ValueError, match="Pass --output_dir DATA"):
+        parse_config(PrepareConfig, ["--config", str(recipe)])
+    assert parse_config(TrainConfig, ["--config", str(recipe)]).output_dir == "out/run"  # training reads it
+
+
+def test_ddp_timeout_and_prefetch_batches_are_checked():
+    """--ddp_timeout must be a positive number of seconds; --prefetch_batches from 0 (no read-ahead) to 1024."""
+    with pytest.raises(ValueError, match="ddp_timeout must be a positive integer, got 0"):
+        TrainConfig(ddp_timeout=0)
+    with pytest.raises(ValueError, match="prefetch_batches must be from 0 \\(no read-ahead\\) to 1024, got -1"):
+        TrainConfig(prefetch_batches=-1)
+    assert TrainConfig(prefetch_batches=0).prefetch_batches == 0

@@ -34,25 +34,43 @@ def corpus() -> str:
 def test_char_tokenizer_round_trips_the_corpus_with_nanogpts_ids(corpus, tmp_path):
     """Saved and reloaded through AutoTokenizer, the character tokenizer gives back all of Tiny Shakespeare
     unchanged, with 65 character tokens numbered like nanoGPT's shakespeare_char (sorted characters), then the
-    end-of-text token (id 65) as EOS, padding and BOS, none of them added to the text by encoding."""
+    end-of-text token (id 65) as EOS, padding and BOS, and the unknown token (id 66), none of them added to the text
+    by encoding."""
     train_char_tokenizer([corpus]).save_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     ids = tokenizer(corpus)["input_ids"]
     chars = sorted(set(corpus))
-    assert len(tokenizer) == 66
+    assert len(tokenizer) == 67
     assert tokenizer.convert_ids_to_tokens(list(range(65))) == chars
-    assert tokenizer.convert_ids_to_tokens(65) == "<|endoftext|>"
+    assert tokenizer.convert_ids_to_tokens([65, 66]) == ["<|endoftext|>", "<|unk|>"]
+    assert tokenizer.unk_token_id == 66
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (65, 65, 65)
     assert ids[:1000] == [chars.index(c) for c in corpus[:1000]]
     assert len(ids) == len(corpus)
     assert tokenizer.decode(ids) == corpus
 
 
-def test_char_tokenizer_refuses_unknown_characters():
-    """A character outside the vocabulary raises instead of being dropped or replaced silently."""
-    tokenizer = train_char_tokenizer(["abc"])
+def test_char_tokenizer_maps_unknown_characters_to_its_unknown_token(tmp_path):
+    """A character outside the vocabulary becomes <|unk|> (one token per unknown character, so positions still
+    line up with the characters), in the tokenizer as AutoTokenizer loads it and in the packing table alike; a
+    character tokenizer saved before it had <|unk|> still loads and still refuses such a character."""
+    train_char_tokenizer(["abc"]).save_pretrained(tmp_path / "new")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "new")
+    ids = tokenizer("abz é1", add_special_tokens=False)["input_ids"]
+    unk = tokenizer.unk_token_id
+    assert ids == [0, 1, unk, unk, unk, unk] and unk == 4 and tokenizer.eos_token_id == 3
+    assert tokenizer.decode(ids) == "ab<|unk|><|unk|><|unk|><|unk|>"
+    assert CharEncoder.of(tokenizer)("abz é1").tolist() == ids
+
+    from tests.training_runs import char_tokenizer_without_special_tokens
+
+    char_tokenizer_without_special_tokens(["abc"]).save_pretrained(tmp_path / "old")
+    old = AutoTokenizer.from_pretrained(tmp_path / "old")
+    assert old("cab")["input_ids"] == [2, 0, 1] and old.unk_token is None
     with pytest.raises(Exception, match="UNK|unk|vocabulary"):
-        tokenizer("abz")
+        old("abz")
+    with pytest.raises(ValueError, match="1 character\\(s\\) the character tokenizer does not know: 'z'"):
+        CharEncoder.of(old)("abz")
 
 
 def test_char_encoder_gives_the_tokenizers_ids(corpus, tmp_path):
@@ -69,13 +87,17 @@ def test_char_encoder_gives_the_tokenizers_ids(corpus, tmp_path):
     assert CharEncoder.of(train_bpe_tokenizer([corpus[:20_000]], vocab_size=300)) is None
 
 
-def test_packing_names_characters_the_char_tokenizer_lacks(tmp_path):
-    """Packing text with characters outside a character vocabulary is a ValueError that lists them."""
+def test_packing_names_characters_the_char_tokenizer_lacks(tmp_path, caplog):
+    """Packing text with characters outside a character vocabulary gives them the unknown token's id and warns,
+    naming them."""
     (tmp_path / "train.txt").write_text("abc\nabéz\nz\n" * 10)
     cfg = TrainConfig(train_file=str(tmp_path / "train.txt"), block_size=4, dataset_name=None)
     train, _ = load_text_splits(cfg)
-    with pytest.raises(ValueError, match=r"2 character\(s\) the character tokenizer does not know: 'zé'"):
-        pack(train, train_char_tokenizer(["abc\n"]), Packing.of(cfg), "train")
+    tokenizer = train_char_tokenizer(["abc\n"])
+    blocks = block_tensor(pack(train, tokenizer, Packing.of(cfg), "train"))
+    expected = tokenizer("abc\nabéz\nz\n" * 10, add_special_tokens=False)["input_ids"]
+    assert blocks.flatten().tolist() == expected[: blocks.numel()] and tokenizer.unk_token_id in expected
+    assert "become <|unk|>: ['z', 'é']" in caplog.text
 
 
 def test_bpe_tokenizer_round_trips_and_has_eos(corpus, tmp_path):
@@ -220,12 +242,11 @@ def test_too_few_blocks_for_a_batch():
         BlockBatches(torch.zeros(5, 4), batch_size=4, seed=0, num_processes=2)
 
 
-def test_streaming_carves_validation_and_resumes(corpus, tmp_path):
-    """A streamed dataset (read lazily, as FineWeb-Edu would be) without a validation split: its first
-    texts validate, training skips them, batches have the block shape, and resuming at batch b yields
-    what an uninterrupted stream yields from b on."""
-    import json
-
+def test_streaming_carves_validation_and_resumes_from_its_saved_position(corpus, tmp_path):
+    """A streamed dataset (read lazily, as FineWeb-Edu would be) without a validation split: its first texts
+    validate and no training batch holds them; batches have the block shape; and a stream restored from the
+    position saved after batch b (a fresh StreamBatches, as a resumed run builds) yields what the uninterrupted
+    stream yields from b on, as does the replay of the first b batches that older checkpoints fall back on."""
     from training.data import StreamBatches, prepare_streaming
 
     path = tmp_path / "docs.jsonl"
@@ -237,18 +258,70 @@ def test_streaming_carves_validation_and_resumes(corpus, tmp_path):
     train, validation = load_text_splits(cfg)
     assert isinstance(train, datasets.IterableDataset) and validation is None
     tokenizer = train_bpe_tokenizer([corpus[:100_000]], vocab_size=300)
-    train_blocks, eval_blocks = prepare_streaming(train, validation, tokenizer, Packing.of(cfg), validation_texts=5)
+    packing = Packing.of(cfg)
+    train_texts, eval_blocks = prepare_streaming(train, validation, tokenizer, packing, validation_texts=5)
     validation_text = "".join(d + "<|endoftext|>" for d in documents[:5])
     validation_ids = tokenizer(validation_text, add_special_tokens=False)["input_ids"]
     assert eval_blocks.shape == (len(validation_ids) // 32, 32)
     assert eval_blocks.flatten().tolist() == validation_ids[: eval_blocks.numel()]
+    assert [row["text"] for row in train_texts] == documents[5:]  # the validation documents are out
 
-    batches = StreamBatches(train_blocks, batch_size=4, seed=3, shuffle_buffer_size=50)
+    def make() -> StreamBatches:
+        return StreamBatches(train_texts, tokenizer, packing, batch_size=4, seed=3, shuffle_buffer_size=50)
+
+    batches = make()
     iterator = batches.iterate()
-    straight = [next(iterator)["input_ids"] for _ in range(12)]
+    straight = [next(iterator)["input_ids"] for _ in range(60)]  # past the first windows of 50 blocks
     assert straight[0].shape == (4, 32)
-    resumed = batches.iterate(start=7)
-    assert all(torch.equal(next(resumed)["input_ids"], expected) for expected in straight[7:])
-    # training starts right after the validation texts: they are never trained on
-    first_train_block = list(next(iter(train_blocks))["input_ids"])
-    assert first_train_block == tokenizer(documents[5], add_special_tokens=False)["input_ids"][:32]
+    for b in (7, 13, 40):
+        resumed = make()
+        resumed.load_state_dict(json.loads(json.dumps(batches.state_dict(b))))  # as a checkpoint stores it
+        continued = resumed.iterate(start=b)
+        assert all(torch.equal(next(continued)["input_ids"], expected) for expected in straight[b:]), b
+    replayed = make().iterate(start=7)
+    assert all(torch.equal(next(replayed)["input_ids"], expected) for expected in straight[7:])
+    trained = tokenizer.decode(torch.cat(straight).flatten().tolist())
+    assert not any(d[100:200] in trained for d in documents[:5])
+
+
+def test_tiktoken_gives_the_byte_level_bpes_own_ids(corpus):
+    """TextEncoder runs a byte-level BPE through tiktoken (TiktokenBPE: each token's bytes ranked by its id) and
+    gets the tokenizer's own ids for every one of 1,000 documents of Tiny Shakespeare and for text it never saw
+    (accents, emoji, digits, runs of spaces), with its check of the first texts passed; a text holding
+    <|endoftext|> is left to the tokenizer, which matches the token whole."""
+    from training.data import TextEncoder, TiktokenBPE
+
+    tokenizer = train_bpe_tokenizer([corpus[:300_000]], vocab_size=2000)
+    encode = TextEncoder(tokenizer)
+    assert isinstance(encode.bpe, TiktokenBPE)
+    texts = [corpus[i : i + 1000] for i in range(0, 1_000_000, 1000)]
+    texts += ["naïve café ✓ 1234   spaces\n\n\ttabs 🙂", "To be<|endoftext|>or not", "", "  x"]
+    expected = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    assert [ids.tolist() for ids in encode(texts)] == expected
+    assert encode.bpe.agrees and encode.bpe.unchecked == 0
+    assert TiktokenBPE.of(train_char_tokenizer(["abc"])) is None
+
+
+def test_prefetched_batches_are_the_batches_in_order_and_errors_reach_the_consumer():
+    """The read-ahead thread yields exactly the iterator's batches, in order, for depths 0, 1 and 4; counts the
+    time the consumer waited; stops when closed; and an error raised while reading reaches the consumer (a run
+    stops with the data's own error rather than waiting forever)."""
+    from training.data import Prefetched
+
+    blocks = torch.arange(40 * 4).view(40, 4)
+    expected = take(BlockBatches(blocks, batch_size=3, seed=7), 0, 30)
+    for depth in (0, 1, 4):
+        prefetched = Prefetched(BlockBatches(blocks, batch_size=3, seed=7).iterate(), depth)
+        assert all(torch.equal(next(prefetched)["input_ids"], batch) for batch in expected)
+        assert prefetched.waited_s > 0
+        prefetched.close()
+
+    def failing():
+        yield {"input_ids": blocks[:2]}
+        raise ValueError("shard train-00003.bin is truncated")
+
+    prefetched = Prefetched(failing(), depth=2)
+    next(prefetched)
+    with pytest.raises(ValueError, match="truncated"):
+        next(prefetched)
+    prefetched.close()

@@ -31,6 +31,7 @@ from decoderlab import DecoderLabConfig
 
 TOKENIZER_TYPES = Literal["char", "bpe", "pretrained"]
 MIXED_PRECISION = Literal["no", "bf16", "fp16"]
+TOKEN_DTYPES = Literal["auto", "uint16", "uint32"]
 DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
 NONE_STRINGS = ("none", "null", "~")
 TRUE_STRINGS = ("true", "yes", "1", "on")
@@ -82,10 +83,15 @@ class TrainConfig(Config):
     validation_split_percentage: float = option(5.0, "percent of train carved off when there is no validation split")
     streaming: bool = option(False, "stream the dataset instead of downloading it (corpora bigger than the disk)")
     streaming_validation_texts: int = option(1000, "streaming without a validation split: first N texts validate")
-    shuffle_buffer_size: int = option(10_000, "streaming: texts held in the shuffle buffer")
+    shuffle_buffer_size: int = option(10_000, "streaming: blocks shuffled together (one window, read again on resume)")
     block_size: int = option(64, "tokens per training sequence; texts are concatenated and cut into blocks")
     preprocessing_num_workers: int | None = option(None, "processes for tokenization (datasets.map num_proc)")
     overwrite_cache: bool = option(False, "re-tokenize even when a cached tokenization exists")
+    prepared_data: str | None = option(
+        None, "folder of token shards written by training/prepare_data.py: train from them (np.memmap) instead"
+    )
+    prefetch_batches: int = option(4, "micro-batches a background thread reads ahead of the step (0: none)")
+    dataloader_pin_memory: bool = option(True, "page-locked batches for faster copies to a CUDA device")
     # --- tokenizer
     tokenizer_type: TOKENIZER_TYPES = option(
         "char", "char: one token per character; bpe: byte-level BPE trained on the data; pretrained: tokenizer_name"
@@ -122,6 +128,7 @@ class TrainConfig(Config):
         False, "shard weights, gradients and optimizer state over the processes (torch FSDP2; torchrun on CPUs)"
     )
     seed: int = option(1337, "seed for weights, data order and dropout")
+    ddp_timeout: int = option(1800, "seconds a process waits for the others (barriers, all-reduce) before failing")
     # --- evaluation and logging
     eval_steps: int | None = option(500, "evaluate every N steps (and at the end); none: only at the end")
     max_eval_samples: int | None = option(None, "blocks used by the periodic evaluations; the final one uses all")
@@ -144,12 +151,14 @@ class TrainConfig(Config):
             "block_size", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
             "max_train_steps", "num_train_epochs", "eval_steps", "logging_steps", "checkpointing_steps",
             "checkpoints_total_limit", "max_eval_samples", "bpe_vocab_size", "tokenizer_train_texts",
-            "streaming_validation_texts", "shuffle_buffer_size", "preprocessing_num_workers",
+            "streaming_validation_texts", "shuffle_buffer_size", "preprocessing_num_workers", "ddp_timeout",
         )  # fmt: skip
         for name in positive:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
+        if not 0 <= self.prefetch_batches <= 1024:
+            raise ValueError(f"prefetch_batches must be from 0 (no read-ahead) to 1024, got {self.prefetch_batches}.")
         if self.block_size < 2:
             raise ValueError("block_size must be at least 2 (a block predicts its tokens after the first), got 1.")
         for name in ("learning_rate", "embedding_learning_rate", "adam_epsilon"):
@@ -188,6 +197,10 @@ class TrainConfig(Config):
         check_model_fields(self.model)
 
     def check_data(self) -> None:
+        if self.prepared_data is None:  # prepared shards are checked when they are opened
+            self.check_source()
+
+    def check_source(self) -> None:
         if self.train_file is None and self.dataset_name is None:
             raise ValueError("No data: pass --dataset_name (a Hub id or a local dataset folder) or --train_file.")
         if self.validation_file is not None and self.train_file is None:
@@ -196,6 +209,32 @@ class TrainConfig(Config):
             path = getattr(self, name)
             if path is not None and pathlib.Path(path).suffix not in DATA_FILE_SUFFIXES:
                 raise ValueError(f"{name}={path!r} must end in one of {', '.join(DATA_FILE_SUFFIXES)}.")
+
+
+@dataclass
+class PrepareConfig(TrainConfig):
+    """A training recipe's data fields, and where ``training/prepare_data.py`` writes the token shards.
+
+    ``output_dir`` is the shards' folder, given on the command line; a recipe's own ``output_dir`` names its
+    training run's folder, so it is not read here, and without the flag the recipe's ``prepared_data`` is used."""
+
+    IGNORED_YAML_FIELDS = ("output_dir",)
+
+    output_dir: str | None = option(None, "folder of the token shards (default: the recipe's prepared_data)")
+    documents_per_shard: int = option(50_000, "documents per training shard of a map-style dataset (streams: a file)")
+    token_dtype: TOKEN_DTYPES = option("auto", "dtype of the shards' token ids; auto: uint16, uint32 when needed")
+
+    def check(self) -> None:
+        super().check()
+        if self.documents_per_shard < 1:
+            raise ValueError(f"documents_per_shard must be a positive integer, got {self.documents_per_shard}.")
+        if self.output_dir is None:
+            self.output_dir = self.prepared_data
+        if self.output_dir is None:
+            raise ValueError("Where should the shards go? Pass --output_dir DATA (or set prepared_data in the recipe).")
+
+    def check_data(self) -> None:
+        self.check_source()
 
 
 def check_model_fields(model: dict) -> None:
@@ -377,6 +416,8 @@ def parse_config(cls: type[Config] = TrainConfig, argv: list[str] | None = None,
     for key in values:
         if key not in known:
             raise ValueError(f"{config_path}: {key!r} is not a {cls.__name__} field.{suggestion(key, known)}")
+    for key in getattr(cls, "IGNORED_YAML_FIELDS", ()):  # a recipe's value that means something else to cls
+        values.pop(key, None)
     values.update(overrides)
     model_overrides = parse_dotted(rest, known, allow_model=has_model(cls))
     if model_overrides:

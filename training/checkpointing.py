@@ -10,7 +10,8 @@ Layout of ``output_dir`` during and after a run::
 
 A checkpoint is written into ``step_N.tmp`` by every process (weights, optimizer, scheduler, each
 process's RNG state, plus ``training_state.json``: step, tokens, elapsed time; under ``--fsdp`` the weights and
-optimizer state are each process's shards, in ``sharded/``, see ``training/sharding.py``), flushed to disk, and
+optimizer state are each process's shards, in ``sharded/``, see ``training/sharding.py``; and each process's
+position in its data, ``data_state_R.json``, which a stream needs to continue without reading again), flushed to disk, and
 only then renamed to ``step_N`` by the main process. A rename is atomic, so a process killed at any
 instant leaves either a complete ``step_N`` or a ``.tmp`` folder that ``latest`` ignores: never a
 checkpoint that looks complete but is not. Resuming needs ``output_dir`` on a filesystem all
@@ -39,6 +40,7 @@ from .sharding import is_sharded, load_sharded, save_sharded, unsharded_copy
 logger = logging.getLogger(__name__)
 
 STATE_NAME = "training_state.json"
+DATA_STATE_NAME = "data_state_{}.json"  # each process's position in its data (training.data: state_dict)
 CHECKPOINT_PATTERN = re.compile(r"step_(\d+)")
 TMP_SUFFIX = ".tmp"
 COMPILED_PREFIX = "_orig_mod."  # torch.compile's OptimizedModule holds the model as `_orig_mod`
@@ -90,9 +92,11 @@ def save_checkpoint(
     tokenizer=None,
     total_limit: int | None = None,
     sharded: tuple | None = None,
+    data_state: dict | None = None,
 ) -> pathlib.Path:
     """Write ``output_dir/step_N`` atomically (see the module docstring) and keep the newest ``total_limit``.
-    ``sharded``: the (model, optimizer) of an FSDP2 run, whose shards every process writes."""
+    ``sharded``: the (model, optimizer) of an FSDP2 run, whose shards every process writes. ``data_state``: this
+    process's position in its data (``data_state_R.json``, one per process R)."""
     output_dir = pathlib.Path(output_dir)
     final = output_dir / f"step_{state.step}"
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -102,6 +106,8 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))  # every process: weights (main), optimizer, scheduler, its own RNG state
     if sharded is not None:
         save_sharded(*sharded, tmp)
+    if data_state is not None:
+        (tmp / DATA_STATE_NAME.format(accelerator.process_index)).write_text(json.dumps(data_state) + "\n")
     if accelerator.is_main_process:
         (tmp / STATE_NAME).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
         if tokenizer is not None:
@@ -163,6 +169,17 @@ def resolve_checkpoint(spec: str | None, output_dir) -> pathlib.Path | None:
 def read_state(path) -> TrainState:
     """Where the run saved in the checkpoint folder ``path`` was: step, tokens, elapsed time."""
     return TrainState(**json.loads((pathlib.Path(path) / STATE_NAME).read_text()))
+
+
+def read_data_state(path, process_index: int) -> dict | None:
+    """Process ``process_index``'s data position saved in the checkpoint ``path``; the first process's when there is
+    none for it (a run with more processes than the checkpoint's: ``training.data`` checks whether it carries
+    over); None for a checkpoint saved before data positions were."""
+    folder = pathlib.Path(path)
+    for name in (DATA_STATE_NAME.format(process_index), DATA_STATE_NAME.format(0)):
+        if (folder / name).is_file():
+            return json.loads((folder / name).read_text())
+    return None
 
 
 def load_checkpoint(accelerator: Accelerator, path, sharded: tuple | None = None) -> TrainState:

@@ -12,7 +12,11 @@ The path from a dataset to batches:
    under a fingerprint of the dataset, the tokenizer and the packing settings, so a second run with
    the same data and tokenizer reads the blocks from disk instead of tokenizing again.
 4. ``BlockBatches`` / ``StreamBatches``: endless batches in a seeded order, sharded over processes,
-   resumable at any batch without replaying the ones before it (``BlockBatches``).
+   resumable at any batch without reading again the ones before it (a stream from the position its checkpoint
+   saved); ``Prefetched`` reads them ahead in a thread.
+
+Corpora too large to tokenize at every start are prepared once into token shards instead
+(``training/prepare_data.py``, ``training.token_shards``), which ``BlockBatches`` reads through np.memmap.
 
 Batches follow the transformers convention: ``labels`` are the input ids and the model shifts them.
 """
@@ -21,6 +25,9 @@ import itertools
 import json
 import logging
 import pathlib
+import queue
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -40,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 EOS_TOKEN = "<|endoftext|>"
+UNK_TOKEN = "<|unk|>"  # the character tokenizer's token for characters outside its vocabulary
 # The end-of-text token is also the padding token (padded positions are masked, so any id would do, and this
 # needs no extra one) and the beginning-of-sequence token, as in GPT-2: what ends one document is what the next
 # follows in packed training, so tools that put a BOS before a text (lm-eval's prefix token) condition on it.
@@ -50,6 +58,8 @@ IGNORE_INDEX = -100  # transformers' label for "no loss here"
 CHAR_PATTERN = "(?m)."
 CHAR_SPLIT = {"type": "Split", "pattern": {"Regex": CHAR_PATTERN}, "behavior": "Isolated", "invert": False}
 PACKING_VERSION = 1  # part of the cache fingerprint: bump when `pack` changes what it writes
+TEXTS_PER_CALL = 256  # texts tokenized per batched call
+KEPT_STATES = 4096  # a stream's positions kept for the batches read ahead of the step (prefetch_batches is fewer)
 
 TextSplit = datasets.Dataset | datasets.IterableDataset
 
@@ -157,43 +167,61 @@ def iter_texts(split: TextSplit, column: str, limit: int | None = None) -> Itera
 # 2. Tokenizers
 
 
-def wrap_tokenizer(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+def wrap_tokenizer(tokenizer: Tokenizer, **extra_special_tokens) -> PreTrainedTokenizerFast:
     """A transformers tokenizer around a ``tokenizers`` one that holds ``EOS_TOKEN``: no clean-up of spaces, so
-    decode(encode(s)) == s, and the special tokens tools look for (``SPECIAL_TOKENS``). Padding is on the left,
-    as batched generation with a decoder-only model needs (the fine-tuning data pads its own rows)."""
+    decode(encode(s)) == s, and the special tokens tools look for (``SPECIAL_TOKENS``, and e.g. ``unk_token``).
+    Padding is on the left, as batched generation with a decoder-only model needs (the fine-tuning data pads its
+    own rows)."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, padding_side="left", **SPECIAL_TOKENS
-    )
+        tokenizer_object=tokenizer, clean_up_tokenization_spaces=False, padding_side="left",
+        **SPECIAL_TOKENS, **extra_special_tokens,
+    )  # fmt: skip
 
 
 def train_char_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
-    """One token per character, then ``<|endoftext|>``: ids 0..N-1 are the sorted characters' ranks (nanoGPT's
-    ``shakespeare_char`` ids, so losses compare), id N the end-of-text token (66 tokens for Tiny Shakespeare).
+    """One token per character, then ``<|endoftext|>`` and ``<|unk|>``: ids 0..N-1 are the sorted characters' ranks
+    (nanoGPT's ``shakespeare_char`` ids, so losses compare), id N the end-of-text token, id N+1 the unknown token
+    (67 tokens for Tiny Shakespeare).
 
-    There is no unknown token, so the vocabulary is exactly the characters seen plus the end-of-text token,
-    and encoding a character outside it raises instead of silently changing the text.
+    A character outside the vocabulary encodes as ``<|unk|>`` (the tokenizer's ``unk_token``), so every tool that
+    hands the tokenizer text of its own (lm-eval's tasks, ``pipeline``, TRL) gets ids instead of an error. One
+    unknown token rather than a byte fallback: a character model never trains on the 256 byte tokens a fallback
+    would add (they appear only in text it has not seen), so they would carry no more meaning than one token does,
+    at 256 rows of embedding and output each. Character tokenizers saved before it (no unknown token) load as they
+    were and still refuse such characters.
     """
     chars = sorted(set().union(*map(set, texts)))
     if not chars:
         raise ValueError("Cannot build a character vocabulary from empty text.")
-    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({EOS_TOKEN: len(chars), UNK_TOKEN: len(chars) + 1})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_PATTERN), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # concatenate the characters back, no spaces added
-    tokenizer.add_special_tokens([EOS_TOKEN])  # after the characters: id len(chars)
-    return wrap_tokenizer(tokenizer)
+    tokenizer.add_special_tokens([EOS_TOKEN, UNK_TOKEN])  # matched whole in text, kept at their ids N and N+1
+    return wrap_tokenizer(tokenizer, unk_token=UNK_TOKEN)
 
 
 class CharEncoder:
     """The ids a character tokenizer of ``train_char_tokenizer``'s kind gives, looked up in a table of code points:
     the tokenizer's own ids without its regex split of the text into one-character words, the slow part of
     packing (``python -m benchmarks.investigations.char_packing`` times both). ``of`` returns None for any other
-    tokenizer."""
+    tokenizer.
 
-    def __init__(self, vocab: dict[str, int], special_tokens: list[str]):
-        self.table = np.full(max(map(ord, vocab)) + 2, -1, dtype=np.int64)  # the last entry: beyond every character
-        for char, token_id in vocab.items():
+    A character outside the vocabulary becomes the unknown token's id, with a warning naming it (once per
+    character); a tokenizer without an unknown token (saved before it had one) refuses it with a ValueError naming
+    the characters, as that tokenizer itself does.
+    """
+
+    def __init__(self, vocab: dict[str, int], special_tokens: list[str], unk_token: str | None = None):
+        chars = {char: token_id for char, token_id in vocab.items() if len(char) == 1}
+        self.unk_id = vocab[unk_token] if unk_token is not None else -1
+        # one entry per code point up to the largest character's, then one for every code point beyond
+        self.table = np.full(max(map(ord, chars)) + 2, self.unk_id, dtype=np.int64)
+        for char, token_id in chars.items():
             self.table[ord(char)] = token_id
         self.special_tokens = special_tokens
+        self.unknown: set[str] = set()  # the characters warned about
 
     @classmethod
     def of(cls, tokenizer) -> "CharEncoder | None":
@@ -202,13 +230,18 @@ class CharEncoder:
             return None
         state = json.loads(backend.to_str())
         model = state["model"]
-        # no normalizer (it could change characters) and no unknown token (an unknown character raises instead)
+        # no normalizer (it could change characters)
         if model["type"] != "WordLevel" or state["normalizer"] is not None or state["pre_tokenizer"] != CHAR_SPLIT:
             return None
-        vocab = model["vocab"]
-        if not vocab or model.get("unk_token") in vocab or any(len(token) != 1 for token in vocab):
+        vocab, unk_token = model["vocab"], model.get("unk_token")
+        special_tokens = [token["content"] for token in state["added_tokens"]]
+        if unk_token is not None and unk_token not in vocab:
+            unk_token = None  # named but not in the vocabulary: the tokenizer refuses unknown characters
+        if not any(len(token) == 1 for token in vocab) or any(
+            len(token) != 1 and token not in special_tokens for token in vocab
+        ):
             return None
-        return cls(vocab, [token["content"] for token in state["added_tokens"]])
+        return cls(vocab, special_tokens, unk_token)
 
     def __call__(self, text: str) -> np.ndarray | None:
         """The ids of ``text``, or None when it holds an added token (such as ``<|endoftext|>``), which the
@@ -216,15 +249,125 @@ class CharEncoder:
         if any(token in text for token in self.special_tokens):
             return None
         points = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)
-        ids = self.table[np.minimum(points, len(self.table) - 1)]
-        if (ids < 0).any():
-            unknown = [chr(point) for point in np.unique(points[ids < 0])]
-            raise ValueError(
-                f"The text holds {len(unknown)} character(s) the character tokenizer does not know: "
-                f"{''.join(unknown[:20])!r}{' ...' if len(unknown) > 20 else ''}. Its vocabulary is fixed when it is "
-                "built; train on text it covers, or build a new tokenizer (--tokenizer_type char without "
-                "--model_name_or_path)."
-            )
+        ids = self.table[np.minimum(points, len(self.table) - 1)]  # the last entry: unknown
+        if (ids == self.unk_id).any():
+            unknown = [chr(point) for point in np.unique(points[ids == self.unk_id])]
+            listed = f"{''.join(unknown[:20])!r}{' ...' if len(unknown) > 20 else ''}"
+            if self.unk_id < 0:
+                raise ValueError(
+                    f"The text holds {len(unknown)} character(s) the character tokenizer does not know: {listed}. "
+                    "Its vocabulary is fixed when it is built, and this tokenizer (saved before character tokenizers "
+                    "had <|unk|>) has no unknown token; train on text it covers, or build a new tokenizer "
+                    "(--tokenizer_type char without --model_name_or_path)."
+                )
+            if new := set(unknown) - self.unknown:
+                self.unknown |= new
+                logger.warning(f"Characters outside the character vocabulary become {UNK_TOKEN}: {sorted(new)}")
+        return ids
+
+
+class TextEncoder:
+    """The token ids of many texts at once, without special tokens, as int64 arrays: ``CharEncoder``'s table for a
+    character tokenizer, tiktoken for a byte-level BPE when it is installed (``TiktokenBPE``), else the ``tokenizers``
+    tokenizer's batched call (Rust, no Python per token). A text holding an added token (``<|endoftext|>``) goes
+    to the tokenizer itself, which matches that token whole."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer, self.chars = tokenizer, CharEncoder.of(tokenizer)
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.bpe = TiktokenBPE.of(tokenizer) if self.chars is None else None
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        ids = [None] * len(texts)
+        if self.chars is not None:
+            ids = [self.chars(text) for text in texts]
+        elif self.bpe is not None:
+            ids = self.bpe(texts)
+        if rest := [i for i, row in enumerate(ids) if row is None]:  # the tokenizer's own call, batched
+            if self.backend is not None:
+                some = [texts[i] for i in rest]
+                encoded = [e.ids for e in self.backend.encode_batch_fast(some, add_special_tokens=False)]
+            else:
+                encoded = self.tokenizer([texts[i] for i in rest], add_special_tokens=False)["input_ids"]
+            for i, row in zip(rest, encoded):
+                ids[i] = np.array(row, dtype=np.int64)
+        return ids
+
+
+def byte_level_characters() -> dict[int, str]:
+    """The character a byte-level BPE writes for each byte (GPT-2's table): printable Latin-1 bytes stand for
+    themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = (b for b in range(256) if b not in printable)
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+
+
+# GPT-2's pre-tokenizer pattern, as tiktoken writes it: what the ByteLevel pre-tokenizer splits text by
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TiktokenBPE:
+    """A byte-level BPE of ``train_bpe_tokenizer``'s kind run by tiktoken, faster than the ``tokenizers`` library
+    (``python -m benchmarks.prepare_data`` measures the preparation), for preparing and packing data.
+
+    tiktoken merges, in each pre-tokenized word, the adjacent pair whose joined bytes form the token of the lowest
+    id, until none does. A BPE trainer numbers its tokens in the order it learns the merges and applies each merge
+    to every word as it learns it, so that is the merge the trained tokenizer makes too, and the ids agree; the first
+    ``CHECKED`` texts are encoded both ways to make sure, and any difference switches tiktoken off (with a warning).
+    ``of`` gives None for any other tokenizer, or without tiktoken."""
+
+    CHECKED = 64  # texts encoded both ways by each encoder (one per shard when preparing)
+
+    def __init__(self, encoding, backend, special_tokens: list[str]):
+        self.encoding, self.backend, self.special_tokens = encoding, backend, special_tokens
+        self.unchecked, self.agrees = self.CHECKED, True
+
+    @classmethod
+    def of(cls, tokenizer) -> "TiktokenBPE | None":
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        try:
+            import tiktoken
+        except ImportError:
+            return None
+        if backend is None:
+            return None
+        state = json.loads(backend.to_str())
+        model, pre = state["model"], state["pre_tokenizer"] or {}
+        byte_level = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+        if model["type"] != "BPE" or not byte_level or state["normalizer"] is not None or model.get("dropout"):
+            return None
+        special_tokens = [token["content"] for token in state["added_tokens"]]
+        to_byte = {char: byte for byte, char in byte_level_characters().items()}
+        ranks = {}
+        for token, token_id in model["vocab"].items():
+            if token in special_tokens:
+                continue
+            if any(char not in to_byte for char in token):
+                return None
+            ranks[bytes(to_byte[char] for char in token)] = token_id
+        if len(ranks) < 256:
+            return None
+        encoding = tiktoken.Encoding("decoderlab-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+        return cls(encoding, backend, special_tokens)
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray | None]:
+        """The ids of each text, None for one holding an added token (left to the tokenizer) or when tiktoken was
+        found to disagree."""
+        if not self.agrees:
+            return [None] * len(texts)
+        plain = [i for i, text in enumerate(texts) if not any(token in text for token in self.special_tokens)]
+        encoded = [self.encoding.encode_ordinary(texts[i]) for i in plain]
+        if self.unchecked > 0:
+            n = min(self.unchecked, len(plain))
+            reference = self.backend.encode_batch_fast([texts[i] for i in plain[:n]], add_special_tokens=False)
+            self.unchecked -= n
+            if any(ids != e.ids for ids, e in zip(encoded, reference)):
+                logger.warning("tiktoken's ids differ from the tokenizer's: tokenizing with the tokenizer itself.")
+                self.agrees = False
+                return [None] * len(texts)
+        ids: list[np.ndarray | None] = [None] * len(texts)
+        for i, row in zip(plain, encoded):
+            ids[i] = np.array(row, dtype=np.int64)
         return ids
 
 
@@ -254,18 +397,16 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
         ) from err
 
 
-def build_tokenizer(cfg: TrainConfig, train: TextSplit, validation: TextSplit | None) -> PreTrainedTokenizerBase:
-    """The tokenizer ``cfg.tokenizer_type`` asks for, trained on at most ``cfg.tokenizer_train_texts`` texts."""
+def build_tokenizer(
+    cfg: TrainConfig, train_texts: Iterable[str], validation_texts: Iterable[str] = ()
+) -> PreTrainedTokenizerBase:
+    """The tokenizer ``cfg.tokenizer_type`` asks for, trained on ``train_texts`` (a character vocabulary also covers
+    ``validation_texts``, so that evaluation meets no unknown character)."""
     if cfg.tokenizer_type == "pretrained":
         return load_tokenizer(cfg.tokenizer_name)
-    column, limit = cfg.text_column_name, cfg.tokenizer_train_texts
     if cfg.tokenizer_type == "char":
-        # characters of both splits, so that evaluation never meets an unknown one
-        texts = itertools.chain(
-            iter_texts(train, column, limit), iter_texts(validation, column, limit) if validation else ()
-        )
-        return train_char_tokenizer(texts)
-    return train_bpe_tokenizer(iter_texts(train, column, limit), cfg.bpe_vocab_size)
+        return train_char_tokenizer(itertools.chain(train_texts, validation_texts))
+    return train_bpe_tokenizer(train_texts, cfg.bpe_vocab_size)
 
 
 def tokenizer_for_run(
@@ -278,7 +419,9 @@ def tokenizer_for_run(
         return load_tokenizer(str(checkpoint))
     with accelerator.main_process_first():
         if accelerator.is_main_process:
-            tokenizer = build_tokenizer(cfg, train, validation)
+            column, limit = cfg.text_column_name, cfg.tokenizer_train_texts
+            validation_texts = iter_texts(validation, column, limit) if validation is not None else ()
+            tokenizer = build_tokenizer(cfg, iter_texts(train, column, limit), validation_texts)
             tokenizer.save_pretrained(cfg.output_dir)
         else:
             tokenizer = load_tokenizer(cfg.output_dir)
@@ -318,16 +461,10 @@ def pack(split: TextSplit, tokenizer: PreTrainedTokenizerBase, packing: Packing,
     block_size, column = packing.block_size, packing.column
     separator = [tokenizer.eos_token_id] if packing.documents and tokenizer.eos_token_id is not None else []
     separator_ids = np.array(separator, dtype=np.int64)
-    chars = CharEncoder.of(tokenizer)
+    encode = TextEncoder(tokenizer)
 
     def tokenize_and_cut(batch: dict) -> dict:
-        texts = batch[column]
-        ids = [chars(text) for text in texts] if chars is not None else [None] * len(texts)
-        if rest := [i for i, row in enumerate(ids) if row is None]:  # the tokenizer's own call, batched
-            encoded = tokenizer([texts[i] for i in rest], add_special_tokens=False, return_attention_mask=False)
-            for i, row in zip(rest, encoded["input_ids"]):
-                ids[i] = np.array(row, dtype=np.int64)
-        pieces = [piece for row in ids for piece in (row, separator_ids)]
+        pieces = [piece for row in encode(batch[column]) for piece in (row, separator_ids)]
         flat = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
         n_blocks = len(flat) // block_size
         return {"input_ids": flat[: n_blocks * block_size].reshape(n_blocks, block_size)}
@@ -405,16 +542,22 @@ def prepare_streaming(
     validation_texts: int,
     max_eval_samples: int | None = None,
 ) -> tuple[datasets.IterableDataset, torch.Tensor]:
-    """(train blocks, streamed; validation blocks, in memory, at most ``max_eval_samples``): without a validation
-    split the first ``validation_texts`` texts validate and training skips them."""
+    """(training texts, streamed; validation blocks, in memory, at most ``max_eval_samples``).
+
+    Without a validation split the first ``validation_texts`` documents validate, and they are taken out of the
+    whole stream by their text, before ``StreamBatches`` splits it over processes: no process trains on them,
+    whatever the number of processes or files (a ``skip`` would be divided among the files of a split stream,
+    and the process holding the first file would train on most of them). A training document identical to a
+    validation one is left out too."""
     if validation is None:
         validation = train.take(validation_texts)
-        train = train.skip(validation_texts)
+        held_out = frozenset(iter_texts(validation, packing.column))
+        train = train.filter(lambda text: text not in held_out, input_columns=packing.column)
     rows = list(itertools.islice(pack(validation, tokenizer, packing, "validation"), max_eval_samples))
     if not rows:
         raise too_short_error(validation, tokenizer, packing.column, packing.block_size, "validation")
     blocks = torch.from_numpy(np.stack([np.asarray(r["input_ids"]) for r in rows]))
-    return pack(train, tokenizer, packing, "train"), blocks
+    return train, blocks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,10 +574,17 @@ class BlockBatches:
     the same blocks at each step as ``num_processes`` processes with ``batch_size`` each. Blocks left
     over after the last full global batch of an epoch are skipped in that epoch only.
 
-    ``blocks`` is an (N, T) tensor of token ids (batches: ``input_ids`` and ``labels``, the same ids), or,
-    for fine-tuning, a dict of (N, T) tensors whose rows belong together (``input_ids``, ``labels`` with
-    -100 where no loss is taken, ``attention_mask`` or ``position_ids``): batches then hold those rows.
+    ``blocks`` is an (N, T) tensor of token ids (batches: ``input_ids`` and ``labels``, the same ids), or
+    prepared token shards (``token_shards.ShardBlocks``, read through np.memmap), or, for fine-tuning, a dict of
+    (N, T) tensors whose rows belong together (``input_ids``, ``labels`` with -100 where no loss is taken,
+    ``attention_mask`` or ``position_ids``): batches then hold those rows.
+
+    A checkpoint records the global batch size and the number of blocks (``state_dict``): a resume with another
+    number of processes at the same global batch continues exactly (each process takes its rows of the same
+    global batches); another global batch or other data is refused (``load_state_dict``).
     """
+
+    kind = "blocks"
 
     def __init__(
         self,
@@ -456,6 +606,22 @@ class BlockBatches:
                 "or give more text."
             )
 
+    def state_dict(self, consumed: int) -> dict:
+        """What a checkpoint after ``consumed`` micro-batches must match to continue exactly (the step says where)."""
+        return {"kind": self.kind, "num_processes": self.global_batch_size // self.batch_size,
+                "global_batch_size": self.global_batch_size, "blocks": self.num_blocks, "seed": self.seed}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        check_data_state(state, self.kind, self.global_batch_size // self.batch_size)
+        now = {"global_batch_size": self.global_batch_size, "blocks": self.num_blocks, "seed": self.seed}
+        if differ := {key: (state[key], value) for key, value in now.items() if state[key] != value}:
+            listed = ", ".join(f"{key} {old} in the checkpoint, {new} now" for key, (old, new) in differ.items())
+            raise ValueError(
+                f"The checkpoint's data position does not carry over to this run ({listed}): the same step would be "
+                "other blocks. Resume with the checkpoint's data, seed and global batch size "
+                "(per_device_train_batch_size x processes)."
+            )
+
     def order(self, epoch: int) -> torch.Tensor:
         return torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(self.seed + epoch))
 
@@ -474,45 +640,174 @@ class BlockBatches:
 
 
 class StreamBatches:
-    """Batches of a streamed, packed dataset, shuffled through a buffer and split over processes.
+    """Batches of a streamed dataset, tokenized and packed as they are read, shuffled, split over processes, and
+    resumable exactly from a small state, without reading again what was trained on.
 
-    Resuming at batch ``b`` re-reads and drops the first ``b`` batches (a stream cannot seek), so
-    a resumed run sees the same batches as an uninterrupted one, at the cost of reading them again.
+    The texts are split over processes first (``split_dataset_by_node``: whole files per process when their
+    number divides evenly, else every P-th document), then each process tokenizes its texts (documents separated
+    by the end-of-text token) into blocks of ``block_size``. Blocks are shuffled in windows: about
+    ``shuffle_buffer_size`` consecutive blocks, yielded in an order seeded by (seed, process, epoch, window).
+
+    ``state_dict(b)`` is where the stream stands after micro-batch ``b``: the dataset's own state at the start of
+    the current window (``IterableDataset.state_dict``), the tokens carried into it (fewer than a block), and how
+    many of its blocks were used. ``load_state_dict`` then ``iterate()`` reads that one window again and goes on:
+    a resume at step 19,000 costs what one at step 10 costs. Without a loaded state, ``iterate(start)`` replays
+    the stream from its beginning and drops the first ``start`` batches (what older checkpoints need).
     """
+
+    kind = "stream"
 
     def __init__(
         self,
-        blocks: datasets.IterableDataset,
+        texts: datasets.IterableDataset,
+        tokenizer,
+        packing: Packing,
         batch_size: int,
         seed: int,
         process_index: int = 0,
         num_processes: int = 1,
         shuffle_buffer_size: int = 10_000,
     ):
-        shard = split_dataset_by_node(blocks, rank=process_index, world_size=num_processes)
-        self.blocks = shard.shuffle(seed=seed, buffer_size=shuffle_buffer_size)
-        self.batch_size = batch_size
+        self.texts = split_dataset_by_node(texts, rank=process_index, world_size=num_processes)
+        self.column, self.block_size, self.batch_size = packing.column, packing.block_size, batch_size
+        self.encode = TextEncoder(tokenizer)
+        documents = packing.documents and tokenizer.eos_token_id is not None
+        self.separator = np.array([tokenizer.eos_token_id] if documents else [], dtype=np.int64)
+        self.seed, self.process_index, self.num_processes = seed, process_index, num_processes
+        self.window_blocks = shuffle_buffer_size
+        self.states: dict[int, dict] = {}  # micro-batch index -> the state after it (kept for the few read ahead)
+        self.loaded: dict | None = None
+
+    def windows(self, start: dict) -> Iterator[tuple[dict, np.ndarray]]:
+        """(the state at the window's start, its blocks (N, T) in shuffled order), from the state ``start`` on."""
+        epoch, dataset_state, window = start["epoch"], start["dataset"], start["window"]
+        leftover = np.array(start["leftover"], dtype=np.int64)
+        while True:
+            self.texts.set_epoch(epoch)
+            if dataset_state is not None:
+                self.texts.load_state_dict(dataset_state)
+            rows, blocks_this_epoch = iter(self.texts), 0
+            while True:
+                state = {"epoch": epoch, "window": window, "dataset": dataset_state, "leftover": leftover.tolist()}
+                pieces, n_tokens, ended = [leftover], len(leftover), False
+                while n_tokens < self.window_blocks * self.block_size and not ended:
+                    texts = [row[self.column] for row in itertools.islice(rows, TEXTS_PER_CALL)]
+                    ended = len(texts) < TEXTS_PER_CALL
+                    for ids in self.encode(texts):
+                        pieces.extend((ids, self.separator))
+                        n_tokens += len(ids) + len(self.separator)
+                flat = np.concatenate(pieces)
+                n_blocks = len(flat) // self.block_size
+                blocks = flat[: n_blocks * self.block_size].reshape(n_blocks, self.block_size)
+                order = np.random.default_rng([self.seed, self.process_index, epoch, window]).permutation(n_blocks)
+                blocks_this_epoch += n_blocks
+                if n_blocks:
+                    yield state, blocks[order]
+                if ended:
+                    break
+                leftover, window = flat[n_blocks * self.block_size :], window + 1
+                dataset_state = self.texts.state_dict()
+            if blocks_this_epoch == 0:
+                raise ValueError(
+                    f"Process {self.process_index} of {self.num_processes} gets no block of {self.block_size} tokens "
+                    "from its part of the stream: give more text, lower block_size, or use fewer processes."
+                )
+            epoch, window, dataset_state, leftover = epoch + 1, 0, None, np.empty(0, dtype=np.int64)
 
     def iterate(self, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        if start:
-            logger.info(f"Resuming a streamed dataset: reading past the first {start} batches.")
-        for epoch in itertools.count():
-            self.blocks.set_epoch(epoch)
-            full_batches = 0
-            for batch in batched((row["input_ids"] for row in self.blocks), self.batch_size):
+        position = self.loaded or {"epoch": 0, "window": 0, "dataset": None, "leftover": [], "used": 0}
+        skip, replay = position["used"], 0 if self.loaded else start
+        if replay:
+            logger.info(f"Resuming a stream without its saved position: reading past the first {replay} batches.")
+        batch, index = [], start
+        for state, blocks in self.windows(position):
+            for used, block in enumerate(blocks[skip:], start=skip + 1):
+                batch.append(block)
                 if len(batch) < self.batch_size:
-                    break  # the epoch's incomplete last batch
-                full_batches += 1
-                if start:
-                    start -= 1
                     continue
-                input_ids = torch.from_numpy(np.stack([np.asarray(row) for row in batch]))  # (B, T)
+                if replay:
+                    replay, batch = replay - 1, []
+                    continue
+                self.states[index] = {**state, "used": used}
+                self.states.pop(index - KEPT_STATES, None)  # far behind the batches read ahead
+                input_ids = torch.from_numpy(np.stack(batch))  # (B, T)
+                batch, index = [], index + 1
                 yield {"input_ids": input_ids, "labels": input_ids}
-            if full_batches == 0:
-                raise ValueError(
-                    f"The streamed training data holds fewer than {self.batch_size} blocks for this process: "
-                    "lower the batch size or block_size, or give more text."
-                )
+            skip = 0
+
+    def state_dict(self, consumed: int) -> dict:
+        """Where this process's stream stands once ``consumed`` micro-batches have been used."""
+        return {"kind": self.kind, "num_processes": self.num_processes, **self.states[consumed - 1]}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_data_state(state, self.kind, self.num_processes)
+        self.loaded = state
+
+
+def check_data_state(state: dict, kind: str, num_processes: int) -> None:
+    """Refuse a checkpoint's data position that this run's data cannot continue from: another kind of data (a
+    stream, blocks), or a stream saved by another number of processes (each process's position is its own)."""
+    if state["kind"] != kind:
+        raise ValueError(
+            f"The checkpoint was trained on {state['kind']} data and this run reads {kind} data: its position in "
+            "the data does not carry over. Resume with the data it was trained on."
+        )
+    if kind == "stream" and state["num_processes"] != num_processes:
+        raise ValueError(
+            f"The checkpoint's stream positions were saved by {state['num_processes']} process(es) and this run has "
+            f"{num_processes} (num_processes): each process reads its own part of a stream, so its position does not "
+            f"carry over to another split. Resume with {state['num_processes']} processes, or train from prepared "
+            "shards (--prepared_data), which resume with any number of processes at the same global batch."
+        )
+
+
+class Prefetched:
+    """The batches of ``iterator``, read ``depth`` ahead by a background thread (page-locked with ``pin_memory``, for
+    copies to a CUDA device that overlap compute), so reading and tokenizing happen while the model computes;
+    ``waited_s`` is the time the consumer spent waiting for them. With ``depth`` 0 each batch is read when asked
+    for, and ``waited_s`` is the time reading took."""
+
+    def __init__(self, iterator: Iterator[dict], depth: int, pin_memory: bool = False):
+        self.iterator, self.pin_memory, self.waited_s = iterator, pin_memory, 0.0
+        self.queue: queue.Queue | None = None
+        if depth > 0:
+            self.queue, self.stopped = queue.Queue(maxsize=depth), threading.Event()
+            self.thread = threading.Thread(target=self.fill, name="prefetch", daemon=True)
+            self.thread.start()
+
+    def fill(self) -> None:
+        try:
+            for batch in self.iterator:
+                if self.pin_memory:
+                    batch = {name: tensor.pin_memory() for name, tensor in batch.items()}
+                while not self.stopped.is_set():
+                    try:
+                        self.queue.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stopped.is_set():
+                    return
+        except BaseException as error:  # raised again in the consumer, where it stops the run
+            self.queue.put(error)
+
+    def __iter__(self) -> "Prefetched":
+        return self
+
+    def __next__(self) -> dict:
+        start = time.perf_counter()
+        item = next(self.iterator) if self.queue is None else self.queue.get()
+        self.waited_s += time.perf_counter() - start
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the reading thread: it ends within 0.1 s once its current batch is read (a daemon thread, so one
+        stuck in a read does not keep the process alive)."""
+        if self.queue is not None:
+            self.stopped.set()
+            self.thread.join(timeout=5)
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -557,12 +852,14 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None, to
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     with accelerator.main_process_first():
         if cfg.streaming:
-            train_blocks, eval_blocks = prepare_streaming(
-                train, validation, tokenizer, Packing.of(cfg), cfg.streaming_validation_texts, cfg.max_eval_samples
+            packing = Packing.of(cfg)
+            train_texts, eval_blocks = prepare_streaming(
+                train, validation, tokenizer, packing, cfg.streaming_validation_texts, cfg.max_eval_samples
             )
             batches = StreamBatches(
-                train_blocks, cfg.per_device_train_batch_size, shuffle_buffer_size=cfg.shuffle_buffer_size, **shard
-            )
+                train_texts, tokenizer, packing, cfg.per_device_train_batch_size,
+                shuffle_buffer_size=cfg.shuffle_buffer_size, **shard,
+            )  # fmt: skip
         else:
             train_blocks, eval_blocks = prepare_map_style(
                 train, validation, tokenizer, Packing.of(cfg), cfg.validation_split_percentage

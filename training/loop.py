@@ -12,6 +12,8 @@ Per-step costs are kept to what a step needs: the loss stays a tensor between lo
 evaluations can be limited to ``cfg.max_eval_samples`` blocks.
 """
 
+import contextlib
+import datetime
 import json
 import logging
 import math
@@ -25,7 +27,7 @@ import torch
 import transformers
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -34,8 +36,15 @@ from decoderlab.model_card import METRICS_NAME, read_metrics  # the file's one r
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
-from .checkpointing import TrainState, list_checkpoints, load_checkpoint, read_state, save_checkpoint
-from .data import count_targets, real_tokens
+from .checkpointing import (
+    TrainState,
+    list_checkpoints,
+    load_checkpoint,
+    read_data_state,
+    read_state,
+    save_checkpoint,
+)
+from .data import Prefetched, count_targets, real_tokens
 from .sharding import is_sharded, shard_model, step_only_when_synced
 
 logger = logging.getLogger(__name__)
@@ -171,6 +180,8 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
             mixed_precision=cfg.mixed_precision,
             log_with=[name.strip() for name in cfg.report_to.split(",")] if cfg.with_tracking else None,
             project_dir=cfg.output_dir,
+            # how long a process waits for the others at a barrier or collective (Trainer's ddp_timeout)
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.ddp_timeout))],
         )
     refuse_unsharded(accelerator.state)
     if cfg is not None:
@@ -372,7 +383,9 @@ def train(
     Args:
         model: a causal LM taking ``input_ids``/``labels`` and returning ``.loss`` (unprepared).
         batches: ``BlockBatches`` or ``StreamBatches`` (anything with ``iterate(start) -> Iterator[dict]``
-            yielding model inputs, resumable at micro-batch ``start``).
+            yielding model inputs, resumable at micro-batch ``start``; with ``state_dict(consumed)`` and
+            ``load_state_dict``, its position is saved in each checkpoint and restored first on resume). A
+            background thread reads ``cfg.prefetch_batches`` micro-batches ahead (``Prefetched``).
         eval_blocks: (N, T) token ids for ``evaluate``.
         cfg: the run configuration (optimizer, schedule, evaluation, checkpoints, tracking).
         accelerator: from ``make_accelerator(cfg)``.
@@ -399,114 +412,127 @@ def train(
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
 
     if cfg.with_tracking:
         accelerator.init_trackers(cfg.project_name, config=tracker_config(cfg.to_dict()))
     sharded = (model, optimizer) if cfg.fsdp else None  # saved and restored by every process, apart from Accelerate
     state = load_checkpoint(accelerator, resume_from, sharded=sharded) if resume_from is not None else TrainState()
     metrics = MetricsLog(cfg.output_dir, accelerator, cfg.with_tracking, resume_step=state.step)
-    micro_batches = batches.iterate(start=state.step * cfg.gradient_accumulation_steps)
-
-    bar = tqdm(
-        total=max_steps,
-        initial=state.step,
-        desc="training",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0,  # redrawn once a second: drawing costs about a millisecond, a small model's step tens
-        disable=not (show_progress and accelerator.is_local_main_process),
-    )
-    # The training window since the last log: summed loss (a tensor: no per-step synchronisation), real
-    # (non-padding) tokens of all processes, optimizer steps and training time (evaluations and checkpoints
-    # excluded). This process's tokens are summed over processes only when something is logged or saved
-    # (`new_tokens` until then).
-    window_loss = torch.zeros((), device=accelerator.device)
-    window_tokens, window_steps, window_time = 0, 0, 0.0
-    new_tokens = 0
-    train_loss = None
-    run_start, elapsed_before = time.perf_counter(), state.elapsed_s
-    elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
-    segment_start = time.perf_counter()
-
-    # A step's loss is the mean over every target of its micro-batches on every process (as transformers'
-    # Trainer does): each micro-batch's loss is its summed loss over that count (`num_items_in_batch`), so
-    # a short batch weighs as many targets as it has. Accelerate divides each loss by the accumulation steps
-    # and DDP averages the gradients over processes; `loss_scale` undoes both.
-    loss_scale = cfg.gradient_accumulation_steps * accelerator.num_processes
-    model.train()
-    while state.step < max_steps:
-        step_batches = [next(micro_batches) for _ in range(cfg.gradient_accumulation_steps)]
-        num_items = sum(count_targets(batch["labels"]) for batch in step_batches).to(accelerator.device)
-        if accelerator.num_processes > 1:
-            num_items = accelerator.reduce(num_items, reduction="sum")
-        num_items = num_items.clamp(min=1)  # a step without targets (none in practice) adds nothing
-        for batch in step_batches:
-            new_tokens += real_tokens(batch)  # counted on the CPU copy: no device synchronisation
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            with accelerator.accumulate(model):
-                loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
-                accelerator.backward(loss * loss_scale if loss_scale != 1 else loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm is not None:
-                    accelerator.clip_grad_norm_(parameters, cfg.max_grad_norm)
-                optimizer.step()  # Accelerate skips these until the last micro-batch of the step
-                optimizer.zero_grad(set_to_none=True)
-            window_loss += loss.detach()  # this process's share of the step's mean
-        scheduler.step()
-        state.step += 1
-        window_steps += 1
-        bar.update(1)
-
-        last = state.step == max_steps
-        log_due = state.step % cfg.logging_steps == 0 or last
-        eval_due = cfg.eval_steps is not None and state.step % cfg.eval_steps == 0 and not last
-        checkpoint_due = cfg.checkpointing_steps is not None and (state.step % cfg.checkpointing_steps == 0 or last)
-        if not (log_due or eval_due or checkpoint_due):
-            continue
-        window_time += time.perf_counter() - segment_start
-        new_tokens = int(accelerator.reduce(torch.tensor(new_tokens, device=accelerator.device), reduction="sum"))
-        state.tokens, window_tokens, new_tokens = state.tokens + new_tokens, window_tokens + new_tokens, 0
-        if log_due or checkpoint_due:  # a checkpoint must never store a state whose loss went bad
-            train_loss = accelerator.reduce(window_loss, reduction="sum").item() / window_steps  # mean per step
-            if not math.isfinite(train_loss):
-                raise non_finite_error(train_loss, state.step, cfg, metrics.records)
-            tokens_per_s = round(window_tokens / max(window_time, 1e-9))
-            metrics.log(
-                {
-                    "step": state.step,
-                    "tokens": state.tokens,
-                    "train_loss": train_loss,
-                    "lr": scheduler.get_last_lr()[0],
-                    "elapsed_s": elapsed(),
-                    "tokens_per_s": tokens_per_s,
-                }
-            )
-            bar.set_postfix(loss=f"{train_loss:.4f}", tokens_per_s=f"{tokens_per_s:,}", refresh=False)
-            window_loss.zero_()
-            window_tokens, window_steps, window_time = 0, 0, 0.0
-        if eval_due:
-            result = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator, cfg.max_eval_samples)
-            metrics.log({"step": state.step, "tokens": state.tokens, **result, "elapsed_s": elapsed()})
-            bar.set_postfix(
-                loss=f"{train_loss:.4f}" if train_loss is not None else "-", eval=f"{result['eval_loss']:.4f}"
-            )
-        if checkpoint_due:
-            state.elapsed_s = elapsed()
-            save_checkpoint(
-                accelerator,
-                cfg.output_dir,
-                state,
-                tokenizer=tokenizer,
-                total_limit=cfg.checkpoints_total_limit,
-                sharded=sharded,
-            )
+    # batches with a position of their own (training.data: state_dict / load_state_dict) save and restore it
+    saves_position = hasattr(batches, "state_dict")
+    if saves_position and resume_from is not None:
+        if data_state := read_data_state(resume_from, accelerator.process_index):
+            batches.load_state_dict(data_state)  # a stream continues from its saved position instead of replaying
+    consumed = lambda: state.step * cfg.gradient_accumulation_steps  # micro-batches used so far
+    pin_memory = cfg.dataloader_pin_memory and accelerator.device.type == "cuda"
+    micro_batches = Prefetched(batches.iterate(start=consumed()), cfg.prefetch_batches, pin_memory)
+    parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
+    with contextlib.closing(micro_batches):  # the reading thread stops however the loop ends
+        bar = tqdm(
+            total=max_steps,
+            initial=state.step,
+            desc="training",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,  # redrawn once a second: drawing costs about a millisecond, a small model's step tens
+            disable=not (show_progress and accelerator.is_local_main_process),
+        )
+        # The training window since the last log: summed loss (a tensor: no per-step synchronisation), real
+        # (non-padding) tokens of all processes, optimizer steps and training time (evaluations and checkpoints
+        # excluded). This process's tokens are summed over processes only when something is logged or saved
+        # (`new_tokens` until then).
+        window_loss = torch.zeros((), device=accelerator.device)
+        window_tokens, window_steps, window_time, waited_before = 0, 0, 0.0, 0.0
+        new_tokens = 0
+        train_loss = None
+        run_start, elapsed_before = time.perf_counter(), state.elapsed_s
+        elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
         segment_start = time.perf_counter()
-    bar.close()
-    state.elapsed_s = elapsed()
 
-    final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
-    metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed()})
-    return TrainResult(model, state, train_loss, final, history=metrics.records)
+        # A step's loss is the mean over every target of its micro-batches on every process (as transformers'
+        # Trainer does): each micro-batch's loss is its summed loss over that count (`num_items_in_batch`), so
+        # a short batch weighs as many targets as it has. Accelerate divides each loss by the accumulation steps
+        # and DDP averages the gradients over processes; `loss_scale` undoes both.
+        loss_scale = cfg.gradient_accumulation_steps * accelerator.num_processes
+        model.train()
+        while state.step < max_steps:
+            step_batches = [next(micro_batches) for _ in range(cfg.gradient_accumulation_steps)]
+            num_items = sum(count_targets(batch["labels"]) for batch in step_batches).to(accelerator.device)
+            if accelerator.num_processes > 1:
+                num_items = accelerator.reduce(num_items, reduction="sum")
+            num_items = num_items.clamp(min=1)  # a step without targets (none in practice) adds nothing
+            for batch in step_batches:
+                new_tokens += real_tokens(batch)  # counted on the CPU copy: no device synchronisation
+                batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+                with accelerator.accumulate(model):
+                    loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+                    accelerator.backward(loss * loss_scale if loss_scale != 1 else loss)
+                    if accelerator.sync_gradients and cfg.max_grad_norm is not None:
+                        accelerator.clip_grad_norm_(parameters, cfg.max_grad_norm)
+                    optimizer.step()  # Accelerate skips these until the last micro-batch of the step
+                    optimizer.zero_grad(set_to_none=True)
+                window_loss += loss.detach()  # this process's share of the step's mean
+            scheduler.step()
+            state.step += 1
+            window_steps += 1
+            bar.update(1)
+
+            last = state.step == max_steps
+            log_due = state.step % cfg.logging_steps == 0 or last
+            eval_due = cfg.eval_steps is not None and state.step % cfg.eval_steps == 0 and not last
+            checkpoint_due = cfg.checkpointing_steps is not None and (state.step % cfg.checkpointing_steps == 0 or last)
+            if not (log_due or eval_due or checkpoint_due):
+                continue
+            window_time += time.perf_counter() - segment_start
+            new_tokens = int(accelerator.reduce(torch.tensor(new_tokens, device=accelerator.device), reduction="sum"))
+            state.tokens, window_tokens, new_tokens = state.tokens + new_tokens, window_tokens + new_tokens, 0
+            if log_due or checkpoint_due:  # a checkpoint must never store a state whose loss went bad
+                train_loss = accelerator.reduce(window_loss, reduction="sum").item() / window_steps  # mean per step
+                if not math.isfinite(train_loss):
+                    raise non_finite_error(train_loss, state.step, cfg, metrics.records)
+                tokens_per_s = round(window_tokens / max(window_time, 1e-9))
+                metrics.log(
+                    {
+                        "step": state.step,
+                        "tokens": state.tokens,
+                        "train_loss": train_loss,
+                        "lr": scheduler.get_last_lr()[0],
+                        "elapsed_s": elapsed(),
+                        "tokens_per_s": tokens_per_s,
+                        # this process's wait for its batches since the last record: data is the bottleneck when it
+                        # approaches the window's training time
+                        "data_wait_s": round(micro_batches.waited_s - waited_before, 4),
+                    }
+                )
+                waited_before = micro_batches.waited_s
+                bar.set_postfix(loss=f"{train_loss:.4f}", tokens_per_s=f"{tokens_per_s:,}", refresh=False)
+                window_loss.zero_()
+                window_tokens, window_steps, window_time = 0, 0, 0.0
+            if eval_due:
+                result = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator, cfg.max_eval_samples)
+                metrics.log({"step": state.step, "tokens": state.tokens, **result, "elapsed_s": elapsed()})
+                bar.set_postfix(
+                    loss=f"{train_loss:.4f}" if train_loss is not None else "-", eval=f"{result['eval_loss']:.4f}"
+                )
+            if checkpoint_due:
+                state.elapsed_s = elapsed()
+                data_state = batches.state_dict(consumed()) if saves_position else None
+                save_checkpoint(
+                    accelerator,
+                    cfg.output_dir,
+                    state,
+                    tokenizer=tokenizer,
+                    total_limit=cfg.checkpoints_total_limit,
+                    sharded=sharded,
+                    data_state=data_state,
+                )
+            segment_start = time.perf_counter()
+        bar.close()
+        state.elapsed_s = elapsed()
+
+        final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
+        metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed()})
+        return TrainResult(model, state, train_loss, final, history=metrics.records)
 
 
 def num_training_steps(cfg: TrainConfig, batches) -> int:

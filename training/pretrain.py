@@ -3,6 +3,7 @@
     accelerate launch training/pretrain.py --config training/configs/shakespeare_char.yaml [--FIELD VALUE ...]
     python training/pretrain.py --config training/configs/shakespeare_char.yaml \\
         --dataset_name ../shared/data/tiny_shakespeare          # offline: a local copy of the dataset
+    python training/pretrain.py --config ... --prepared_data DATA   # token shards of training/prepare_data.py
     torchrun --standalone --nproc_per_node 2 training/pretrain.py --config ...   # two processes (DDP)
 
 The result in ``--output_dir`` loads with ``AutoModelForCausalLM.from_pretrained`` and
@@ -24,6 +25,7 @@ from training.data import prepare_data
 from training.finish import finish_run
 from training.loop import make_accelerator, setup_script_logging, train
 from training.models import build_model, load_base_model, load_base_tokenizer, set_sampling_defaults
+from training.token_shards import prepared_batches
 
 logger = logging.getLogger("training.pretrain")
 
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = None  # built from the data (tokenizer_type), or a resumed run's own
     if cfg.model_name_or_path is not None and checkpoint is None:
         tokenizer = start_tokenizer(cfg)
-    tokenizer, batches, eval_blocks = prepare_data(cfg, accelerator, checkpoint, tokenizer=tokenizer)
+    read = prepared_batches if cfg.prepared_data is not None else prepare_data
+    tokenizer, batches, eval_blocks = read(cfg, accelerator, checkpoint, tokenizer=tokenizer)
     if cfg.model_name_or_path is None:
         model = build_model(cfg.model, tokenizer, cfg.block_size)
     else:
