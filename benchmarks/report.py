@@ -294,6 +294,44 @@ def char_packing_rows(report: dict) -> list[Line]:
     )
 
 
+def gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB"
+
+
+def data_pipeline_rows(prepare: dict, loader: dict, resume: dict, tiny: dict, rss: dict) -> list[Line]:
+    """Issue 32's four goals, each beside its reference and its goal, and make demo's two data paths."""
+    rate = prepare["median_tokens_per_s_per_core"]
+    batches = loader["median_tokens_per_s"]
+    first = resume["median_seconds_to_first_step"]
+    far = f"{resume['far_step']:,}"
+    peak = rss["peak_rss_bytes"]
+    demo = tiny["medians"]
+    rows = [
+        ([f"preparing shards, tokens/s per core ({prepare['megabytes']:.0f} MB corpus, {prepare['processes']} processes)",
+          number(rate["ours"]), f"nanoGPT's method (tiktoken, `datasets.map`, one uint16 file): {number(rate['nanogpt'])}",
+          f"{times(prepare['ratio_ours_over_nanogpt'])} (goal ≥ 1.00×)"], "prepare_data.json"),
+        ([f"one rank's batches from shards, tokens/s ({loader['batch_size']} × {loader['block_size']})",
+          number(batches["BlockBatches (memmap shards)"]),
+          f"nanoGPT's `get_batch` on one memmap: {number(batches['nanoGPT get_batch (one memmap)'])}",
+          "goal ≥ 50,000,000"], "data_loader.json"),
+        ([f"launch to first step, resumed at step 10 / {far}, prepared shards",
+          f"{first['prepared, resumed at step 10']:.1f} s / {first['prepared, resumed at step 10,000']:.1f} s", "-",
+          "goal: equal within noise"], "resume_time.json"),
+        ([f"launch to first step, resumed at step 10 / {far}, stream", f"{first['stream, resumed at step 10']:.1f} s / "
+          f"{first['stream, resumed at step 10,000']:.1f} s",
+          f"the replay it replaced, at step {far}: {first['stream, replayed to step 10,000 (before)']:.1f} s", "-"],
+         "resume_time.json"),
+        ([f"peak RSS of one rank, {rss['train_tokens'] / 1e6:.0f}M training tokens", f"{gib(peak['prepared'])} from shards",
+          f"in memory: {gib(peak['in_memory'])}", "goal < 1.5 GB"], "rss.json"),
+        (["`make demo`: first step / 99 steps, prepared shards", f"{demo['prepared shards']['first_step_s']:.1f} s / "
+          f"{demo['prepared shards']['loop_s']:.1f} s",
+          f"in memory (what `make demo` uses): {demo['in memory (make demo)']['first_step_s']:.1f} s / "
+          f"{demo['in memory (make demo)']['loop_s']:.1f} s; preparing first: {tiny['prepare_data_s']:.1f} s", "-"],
+         "resume_time-tiny_shakespeare.json"),
+    ]  # fmt: skip
+    return markdown_table(["measure", "decoderlab", "beside it", "against the goal"], "lrll", rows)
+
+
 def short_measured(name: str, data: dict) -> str:
     """E.g. "[Intel Xeon, 2026-12-03](link to the file)": the headline's column; the rest is on the performance page."""
     provenance = data["provenance"]
@@ -353,7 +391,10 @@ HEADLINE_SOURCES = (
     "gguf_export.json",
 )
 MAIN_JOB = Table(
-    "main-job", ("shakespeare_char.json", "shakespeare_char-second-run.json"), "main-job-recipe.md", main_job_rows
+    "main-job",
+    ("shakespeare_char.json", "shakespeare_char-second-run.json", "shakespeare_char-unk-token.json"),
+    "main-job-recipe.md",
+    main_job_rows,
 )
 CPU_BF16 = Table(
     "cpu-bf16", ("cpu_mixed_precision.json", "cpu_mixed_precision-amd-epyc.json"), "cpu-mixed-precision.md", bf16_rows
@@ -395,10 +436,17 @@ TABLES = [
     Table("loss-paths", ("loss_paths.json",), "kernels.md", loss_paths_rows),
     Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
+    Table(
+        "data-pipeline",
+        ("prepare_data.json", "data_loader.json", "resume_time.json", "resume_time-tiny_shakespeare.json", "rss.json"),
+        "data-pipeline.md",
+        data_pipeline_rows,
+    ),
 ]
 PAGES = {
     "README.md": ["headline"],
     "docs/performance.md": [table.name for table in TABLES],
+    "docs/guides/data.md": ["data-pipeline"],
 }
 # the GPU check's results file, shown on the performance page once a GPU has written it (never so far)
 GPU_CHECK = "gpu_check.json"
