@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from transformers.utils.logging import disable_progress_bar
+
 from .loading import ExploreError, load
 from .views import DEFAULT_PROMPT, Explorer
 
@@ -55,7 +57,9 @@ def listening_line(host: str, url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("decoderlab").setLevel(logging.INFO)  # the conversion's summary line; not the web server's
+    disable_progress_bar()
     try:
         loaded = load(args.checkpoint, args.trust_remote_code, args.attn_implementation)
     except ExploreError as err:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from decoderlab.convert import FROM, convert_from
 
@@ -61,6 +62,20 @@ def read_model_type(name: str) -> str:
     return model_type
 
 
+def checkpoint_code(name: str) -> type:
+    """The causal-LM class in the checkpoint's own modeling file (its config.json's ``auto_map``), loaded through
+    transformers' dynamic modules: what ``trust_remote_code`` runs where decoderlab is not installed. (With the
+    package installed, the Auto classes pick the package's registered class instead.)"""
+    config, _ = PretrainedConfig.get_config_dict(name)
+    reference = (config.get("auto_map") or {}).get("AutoModelForCausalLM")
+    if reference is None:
+        raise ExploreError(
+            f"--trust_remote_code: {name} carries no modeling code of its own (config.json has no auto_map entry for "
+            "AutoModelForCausalLM). Leave the flag out to load it with the installed package."
+        )
+    return get_class_from_dynamic_module(reference, name)
+
+
 def load(name: str, trust_remote_code: bool = False, attn_implementation: str = "eager") -> Loaded:
     """The model (float32, eval mode, ``attn_implementation``; eager returns attention weights) and tokenizer of the
     checkpoint ``name``. Llama, GPT-2 and GPT-NeoX checkpoints are converted into a temporary folder first
@@ -78,15 +93,16 @@ def load(name: str, trust_remote_code: bool = False, attn_implementation: str = 
             raise ExploreError(f"Could not convert the {model_type} checkpoint {name} to decoderlab: {err}") from err
         loaded.converted_from = family
         logger.info("converted the %s checkpoint %s to decoderlab in %s", family, name, folder)
+    model_class = checkpoint_code(folder) if trust_remote_code else AutoModelForCausalLM
     try:
-        loaded.model = AutoModelForCausalLM.from_pretrained(
-            folder, trust_remote_code=trust_remote_code, dtype=torch.float32, attn_implementation=attn_implementation
+        loaded.model = model_class.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation=attn_implementation
         ).eval()
     except (OSError, ValueError, ImportError) as err:
         raise ExploreError(f"Could not load the model in {name} ({type(err).__name__}: {err}).") from err
-    loaded.remote_code = not type(loaded.model).__module__.startswith("decoderlab.")
+    loaded.remote_code = trust_remote_code
     try:
-        loaded.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        loaded.tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as err:
         raise ExploreError(
             f"The checkpoint {name} has no tokenizer the explorer can load ({type(err).__name__}: {err}). Save the "
