@@ -71,7 +71,10 @@ def build(explorer: Explorer) -> gr.Blocks:
             (explorer.generation, [prompt, steps, temperature, top_k, top_p, seed], generation, [generate.click]),
         ]  # fmt: skip
         for fn, inputs, output, controls in views:
-            gr.on(triggers=ran + controls, fn=fn, inputs=inputs, outputs=output, show_progress="minimal")
+            # always_last: a control changed while its view is computing is answered afterwards with the latest values
+            # (Gradio's default for gr.on, "once", would drop it and leave the view showing the earlier setting)
+            gr.on(triggers=ran + controls, fn=fn, inputs=inputs, outputs=output, show_progress="minimal",
+                  trigger_mode="always_last")  # fmt: skip
     return demo
 
 

@@ -6,6 +6,7 @@ built once. A problem with a request (an empty prompt, a character outside the v
 becomes a message in the view, never an exception out of it, so the page goes on serving.
 """
 
+import hashlib
 import html as html_module
 import logging
 import math
@@ -36,6 +37,11 @@ class Encoded:
     ids: torch.Tensor  # (T,)
     tokens: list[str]  # each token's text, whitespace visible
     notes: list[str]  # things the reader should know (characters mapped to the unknown token)
+
+
+def prompt_id(prompt: str) -> str:
+    """A short fingerprint of a prompt (the first 12 hex digits of its SHA-1)."""
+    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:12]
 
 
 def attention_kind(config) -> str:
@@ -144,13 +150,22 @@ class Explorer:
                 self.analyses.popitem(last=False)
             return result
 
-    def guarded(self, view, *args) -> str:
-        """``view(*args)``, or the problem with the request as a message."""
+    def forget(self) -> None:
+        """Drop every prompt's kept results (the fresh models stay): the next view of any prompt computes afresh."""
+        with self.lock:
+            self.analyses.clear()
+            self.norm_profiles.clear()
+            self.losses.clear()
+
+    def guarded(self, view, prompt: str, *args) -> str:
+        """``view(prompt, *args)``, or the problem with the request as a message; wrapped in an element stamped with
+        the prompt's ``prompt_id``, so a page (or a test) can tell which prompt a view answers."""
         try:
             with self.lock:
-                return view(*args)
+                content = view(prompt, *args)
         except ExploreError as err:
-            return d.message(str(err))
+            content = d.message(str(err))
+        return f'<div data-prompt-id="{prompt_id(prompt)}">{content}</div>'
 
     # ------------------------------------------------------------------------------------------
     # The model, in one paragraph
@@ -170,10 +185,10 @@ class Explorer:
         )
 
     def prompt_status(self, prompt: str) -> str:
-        try:
-            encoded = self.encode(prompt)
-        except ExploreError as err:
-            return d.message(str(err))
+        return self.guarded(self._prompt_status, prompt)
+
+    def _prompt_status(self, prompt: str) -> str:
+        encoded = self.encode(prompt)
         tokens = "".join(f'<span class="tok">{d.esc(t)}</span> ' for t in encoded.tokens)
         notes = "".join(d.note(n) for n in encoded.notes)
         return d.div(f"<p>{len(encoded.tokens)} tokens: {tokens}</p>{notes}")
