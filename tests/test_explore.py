@@ -20,7 +20,7 @@ from transformers import (
 
 import decoderlab
 from decoderlab.explore import ExploreError, Explorer, drawing, load, measure
-from decoderlab.explore.__main__ import build_parser, listening_line, main
+from decoderlab.explore.cli import build_parser, listening_line, main
 from decoderlab.modeling_decoderlab import apply_rotary_pos_emb, repeat_kv
 from training.data import CHAR_PATTERN, train_char_tokenizer
 
