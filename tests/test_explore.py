@@ -298,18 +298,21 @@ def test_permutation_leaves_the_first_layer_and_changes_the_next_without_positio
 # Norm placement
 
 
-def test_fresh_models_draw_the_same_weights_in_every_layout(model):
-    """fresh_model builds each block layout of the same shape from one seed: the same projections, another block
-    class; twice with the same seed, the same model."""
+def test_fresh_models_draw_the_same_weights_with_every_placement(model):
+    """fresh_model builds each norm placement of the same shape from one seed: the same projections, another block
+    class; twice with the same seed, the same model. A parallel-residual (pre-norm) checkpoint is compared with post
+    and sandwich."""
     m = model(position_embedding_type="learned")
-    fresh = {layout: measure.fresh_model(m, layout, seed=3) for layout in measure.LAYOUTS}
-    assert {layout: measure.layout_of(f.config) for layout, f in fresh.items()} == {k: k for k in measure.LAYOUTS}
-    assert len({type(f.model.layers[0]).__name__ for f in fresh.values()}) == 4
+    fresh = {placement: measure.fresh_model(m, placement, seed=3) for placement in measure.PLACEMENTS}
+    assert {p: measure.layout_of(f.config) for p, f in fresh.items()} == {p: p for p in measure.PLACEMENTS}
+    assert len({type(f.model.layers[0]).__name__ for f in fresh.values()}) == 3
     weights = [f.model.layers[1].mlp.down_proj.weight for f in fresh.values()]
     assert all(torch.equal(w, weights[0]) for w in weights)
     again = measure.fresh_model(m, "post", seed=3)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), fresh["post"].state_dict().values()))
     assert not fresh["pre"].training and fresh["pre"].config.position_embedding_type == "learned"
+    assert measure.other_placements(model(use_parallel_residual=True).config) == ["post", "sandwich"]
+    assert measure.other_placements(model(norm_placement="sandwich").config) == ["pre", "post"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,12 +383,16 @@ def test_every_view_answers_a_good_prompt_without_a_message(explorer):
     measure.analyse = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
         views = [ex.attention(PROMPT, 1, 2), ex.heads(PROMPT, 1), ex.positions(PROMPT, 1, 2, -1, 0), ex.norms(PROMPT),
-                 ex.generation(PROMPT, 5, 0.8, 10, 0.95, 0)]  # fmt: skip
+                 ex.generation(PROMPT, 5, 0.8, 10, 0.95, 0), ex.scale_losses(PROMPT)]  # fmt: skip
     finally:
         measure.analyse = original
-    for page in views:
+    for page in views[:-1]:
         assert 'class="claim"' in page and not messages(page), page[:300]
-    assert len(calls) == 1 + len(measure.LAYOUTS)  # the prompt once, then each fresh model of the norm view once
+    assert len(calls) == 1 + 2  # the prompt once, then the norm view's fresh models (the two other placements) once
+    losses = [float(v) for v in re.findall(r'data-value="([^"]+)"', views[-1])]
+    analysis = ex.analysis(PROMPT)[1]
+    expected = measure.scaled_losses(ex.model, analysis.input_ids)
+    assert losses == pytest.approx(expected, rel=1e-5) and losses[2] == pytest.approx(analysis.loss, rel=1e-7)
 
 
 @pytest.mark.parametrize(

@@ -112,15 +112,19 @@ def wait_for_answer(page, element: str, prompt: str) -> None:
     page.wait_for_selector(f'#{element} [data-prompt-id="{prompt_id(prompt)}"]', state="attached", timeout=WAIT_MS)
 
 
-def run_prompt(page, url: str, prompt: str) -> None:
-    """Open the page, type ``prompt``, press Run, open every tab and wait until its view answers the prompt."""
-    page.goto(url)
+def run_prompt(page, url: str | None, prompt: str, check=None) -> None:
+    """Open the page at ``url`` (None: stay on it), type ``prompt``, press Run, open every tab and wait until its
+    view answers the prompt, then call ``check(tab, element)`` with the tab still open."""
+    if url is not None:
+        page.goto(url)
     page.locator("#prompt textarea").fill(prompt)
     page.click("#run")
     wait_for_answer(page, "status", prompt)
     for tab, element in VIEWS.items():
         page.get_by_role("tab", name=tab).click()
         wait_for_answer(page, element, prompt)
+        if check is not None:
+            check(tab, element)
     page.get_by_role("tab", name="Attention").click()
 
 
@@ -178,7 +182,8 @@ def rope_score(q: torch.Tensor, k: torch.Tensor, m: int, n: int, theta: float, r
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_view_shows_what_the_model_computes(layout, checkpoints, page, tmp_path):
     """For each layout: type a prompt, open every view, and compare the page with the model loaded here: layer 1 head
-    2's attention weights, the key/value groups and the heads' similarities, the positions view (the RoPE offset
+    2's attention weights, the prompt's loss with the scale multiplied by 4 (against a model built with that scale),
+    the key/value groups and the heads' similarities, the positions view (the RoPE offset
     curve and its shift deviation < 1e-5; the position-similarity spread; the permuted prompt's change after the
     first layer), the residual stream norms, and the top-5 candidates of the first two generation steps."""
     folder = checkpoints[layout]
@@ -207,6 +212,15 @@ def test_every_view_shows_what_the_model_computes(layout, checkpoints, page, tmp
         for r, c, v in cells:
             shown[int(r), int(c)] = v
         torch.testing.assert_close(shown, out.attentions[1][0, 2], rtol=0, atol=1e-6)
+
+        # the scale: the button re-runs the model with every layer's scale multiplied; at x4, a model built so
+        page.click("#scale-losses")
+        page.wait_for_selector("#scale-losses-view .scale-losses", timeout=WAIT_MS)
+        losses = values(page, "#scale-losses-view .scale-losses td[data-value]")
+        scaled = AutoModelForCausalLM.from_pretrained(folder, attention_scale=4 * config.head_dim**-0.5).eval()
+        with torch.no_grad():
+            assert losses[-1] == pytest.approx(scaled(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+            assert losses[2] == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
 
         # heads: which query heads read each key/value head, and the mean similarity of heads sharing one
         open_tab(page, "Heads", tmp_path, f"{layout}-heads")
@@ -305,14 +319,12 @@ def test_bad_input_gets_a_message_in_the_page_and_the_server_goes_on(checkpoints
             ("café ☕", "outside this model's vocabulary: 'é' (U+00E9), '☕' (U+2615)"),
         ]
         for number, (prompt, expected) in enumerate(cases):
-            page.locator("#prompt textarea").fill(prompt)
-            page.click("#run")
-            wait_for_answer(page, "status", prompt)
-            for tab, element in VIEWS.items():
-                page.get_by_role("tab", name=tab).click()
-                wait_for_answer(page, element, prompt)
+
+            def said(tab: str, element: str, expected=expected) -> None:
                 shown = messages(page, "#status") + messages(page, f"#{element}")
                 assert len(shown) == 2 and all(expected in html.unescape(m) for m in shown), (tab, shown)
+
+            run_prompt(page, None, prompt, said)
             page.screenshot(path=tmp_path / f"bad-input-{number}.png", full_page=True)
         run_prompt(page, server.url, PROMPT)
         assert not messages(page)

@@ -35,6 +35,8 @@ def build(explorer: Explorer) -> gr.Blocks:
                     attention_layer = slider(layers, "Layer", "attention-layer")
                     attention_head = slider(heads, "Head", "attention-head")
                 attention = gr.HTML(elem_id="attention-view")
+                rerun = gr.Button("Re-run the model at each scale (the prompt's loss)", elem_id="scale-losses")
+                scale_losses = gr.HTML(elem_id="scale-losses-view")
             with gr.Tab("Heads", id="heads", elem_id="tab-heads"):
                 heads_layer = slider(layers, "Layer", "heads-layer")
                 heads_view = gr.HTML(elem_id="heads-view")
@@ -70,6 +72,7 @@ def build(explorer: Explorer) -> gr.Blocks:
             (explorer.norms, [prompt], norms, []),
             (explorer.generation, [prompt, steps, temperature, top_k, top_p, seed], generation, [generate.click]),
         ]  # fmt: skip
+        rerun.click(explorer.scale_losses, inputs=[prompt], outputs=scale_losses, show_progress="minimal")
         for fn, inputs, output, controls in views:
             # always_last: a control changed while its view is computing is answered afterwards with the latest values
             # (Gradio's default for gr.on, "once", would drop it and leave the view showing the earlier setting)

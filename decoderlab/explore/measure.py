@@ -24,18 +24,18 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 # Multipliers of the model's attention scale in the scale sweep (1 is the model as trained)
 SCALE_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
-# The block layouts a model can be rebuilt with: the three norm placements and GPT-NeoX's parallel residual
-LAYOUTS = {
-    "pre": {"norm_placement": "pre", "use_parallel_residual": False},
-    "post": {"norm_placement": "post", "use_parallel_residual": False},
-    "sandwich": {"norm_placement": "sandwich", "use_parallel_residual": False},
-    "parallel": {"norm_placement": "pre", "use_parallel_residual": True},
-}
+# The norm placements a model can be rebuilt with (Xiong et al. 2020; sandwich: Ding et al. 2021)
+PLACEMENTS = ("pre", "post", "sandwich")
 
 
 def layout_of(config) -> str:
-    """The name in ``LAYOUTS`` of ``config``'s block layout."""
+    """``config``'s block layout: its norm placement, or "parallel" for GPT-NeoX's parallel residual (pre-norm)."""
     return "parallel" if config.use_parallel_residual else config.norm_placement
+
+
+def other_placements(config) -> list[str]:
+    """The norm placements ``config`` does not have (a parallel-residual block's placement is pre)."""
+    return [placement for placement in PLACEMENTS if placement != config.norm_placement]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,15 +97,14 @@ def analyse(model, input_ids: torch.Tensor, attentions: bool = True) -> Analysis
     ||dL/dW2|| (Xiong et al. 2020, Figure 3: the quantity ``experiments/norm_placement.py`` measures)."""
     ids = input_ids[None]
     labels = ids if ids.shape[1] > 1 else None
+    layers = decoder_layers(model)
+    grad_norms = torch.full((len(layers),), math.nan)
     with recording(model) as (residual, attention_inputs), torch.enable_grad():
         out = model(input_ids=ids, labels=labels, use_cache=False, output_attentions=attentions)
         if labels is not None:
-            out.loss.backward()
-    grad_norms = []
-    for layer in decoder_layers(model):
-        grad = layer.mlp.down_proj.weight.grad
-        grad_norms.append(grad.norm().item() if grad is not None else math.nan)
-    model.zero_grad(set_to_none=True)
+            # only the W2 matrices' gradients: autograd skips every other weight's (the LM head's above all)
+            grads = torch.autograd.grad(out.loss, [layer.mlp.down_proj.weight for layer in layers])
+            grad_norms = torch.stack([g.norm() for g in grads])
     weights = None
     if attentions and out.attentions and all(w is not None for w in out.attentions):
         weights = torch.stack([w[0].detach().float() for w in out.attentions])  # (L, nh, T, T)
@@ -114,7 +113,7 @@ def analyse(model, input_ids: torch.Tensor, attentions: bool = True) -> Analysis
         attentions=weights,
         residual=torch.stack(residual),
         attention_inputs=torch.stack(attention_inputs),
-        ffn_grad_norms=torch.tensor(grad_norms),
+        ffn_grad_norms=grad_norms,
         loss=out.loss.item() if labels is not None else math.nan,
         next_token_logits=out.logits[0, -1].detach(),
     )
@@ -374,11 +373,11 @@ def residual_norms(residual: torch.Tensor) -> torch.Tensor:
     return residual.norm(dim=-1).mean(-1)
 
 
-def fresh_model(model, layout: str, seed: int):
-    """A newly initialised model of ``model``'s class and shape with the block layout ``layout`` (``LAYOUTS``),
-    weights drawn from ``seed`` (the same draws for every layout: the layouts' projections are created in the same
-    order, their norms start at one), in eval mode."""
-    fields = {**model.config.to_dict(), **LAYOUTS[layout]}
+def fresh_model(model, placement: str, seed: int):
+    """A newly initialised model of ``model``'s class and shape with the norm placement ``placement`` (sequential
+    sublayers), weights drawn from ``seed`` (the same draws for every placement: the blocks create their projections
+    in the same order, and their norms start at one), in eval mode."""
+    fields = {**model.config.to_dict(), "norm_placement": placement, "use_parallel_residual": False}
     config = type(model.config).from_dict(fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

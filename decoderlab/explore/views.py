@@ -272,11 +272,6 @@ class Explorer:
     def scale_section(self, prompt: str, analysis: measure.Analysis, weights, layer: int, head: int) -> str:
         multipliers = measure.SCALE_MULTIPLIERS
         sweep = measure.scale_sweep(weights, multipliers)
-        if prompt not in self.losses:
-            self.losses[prompt] = measure.scaled_losses(self.model, analysis.input_ids, multipliers)
-            while len(self.losses) > CACHED_PROMPTS:
-                self.losses.popitem(last=False)
-        losses = self.losses[prompt]
         scale = self.model.model.layers[layer].self_attn.scaling
         rows = []
         for i, m in enumerate(multipliers):
@@ -285,11 +280,11 @@ class Explorer:
                 float(sweep["entropy"][i, head]), float(sweep["max_weight"][i, head]),
                 float(sweep["jacobian_norm"][i, head]),
                 float(sweep["entropy"][i].mean()), float(sweep["max_weight"][i].mean()),
-                float(sweep["jacobian_norm"][i].mean()), losses[i],
+                float(sweep["jacobian_norm"][i].mean()),
             ])  # fmt: skip
         sweep_table = d.table(
             ["scale", f"head {head}: entropy", f"head {head}: largest weight", f"head {head}: ‖∂softmax/∂scores‖",
-             "mean over heads: entropy", "largest weight", "‖∂softmax/∂scores‖", "prompt loss, every layer"],
+             "mean over heads: entropy", "largest weight", "‖∂softmax/∂scores‖"],
             rows, cls="scale-sweep", chosen=multipliers.index(1.0),
         )  # fmt: skip
         charts = "".join(
@@ -306,9 +301,37 @@ class Explorer:
             "<p>Larger scores push each softmax towards one-hot: its entropy falls, its largest weight nears 1 and "
             "the size of its Jacobian with respect to the scores, ‖diag(w) − w w<sup>T</sup>‖, the gradient that "
             "reaches Q and K, shrinks towards 0. Rows of the table: each multiplier of the model's scale "
-            f"{d.fmt(scale)} (× 1 is the model as trained); the last column re-runs the whole model with every "
-            "layer's scale multiplied.</p>"
+            f"{d.fmt(scale)} (× 1 is the model as trained), applied to this layer's scores as the model computed "
+            "them.</p>"
             f'{sweep_table}<div class="row">{charts}</div>'
+        )
+
+    def scale_losses(self, prompt: str) -> str:
+        return self.guarded(self._scale_losses, prompt)
+
+    def _scale_losses(self, prompt: str) -> str:
+        """The prompt's loss with every layer's scale multiplied: the model re-run once per multiplier (kept)."""
+        encoded, analysis = self.analysis(prompt)
+        multipliers = measure.SCALE_MULTIPLIERS
+        if prompt not in self.losses:
+            others = [m for m in multipliers if m != 1.0]
+            losses = dict(zip(others, measure.scaled_losses(self.model, encoded.ids, others)))
+            self.losses[prompt] = [analysis.loss if m == 1.0 else losses[m] for m in multipliers]
+            while len(self.losses) > CACHED_PROMPTS:
+                self.losses.popitem(last=False)
+        losses = self.losses[prompt]
+        rows = [[f"× {m:g}", loss] for m, loss in zip(multipliers, losses)]
+        chart = d.line_chart(
+            multipliers, {"prompt loss": losses}, x_label="scale multiplier, every layer", y_label="loss (nats/token)",
+            log_x=True, x_ticks=multipliers, width=360, height=230, cls="scale-loss-chart",
+        )  # fmt: skip
+        return d.div(
+            "<h4>The whole model re-run with every layer's scale multiplied</h4>",
+            "<p>The prompt's next-token loss (nats per token): how far from the trained scale the model still "
+            "works.</p>",
+            f'<div class="row"><div>{d.table(["scale", "loss"], rows, cls="scale-losses", chosen=2)}</div>'
+            f"<div>{chart}</div></div>",
+            cls="dlx view-scale-losses",
         )
 
     # ------------------------------------------------------------------------------------------
@@ -534,17 +557,21 @@ class Explorer:
     # 4. Norm placement
 
     def fresh_models(self) -> dict[str, torch.nn.Module]:
-        """A newly initialised model of the checkpoint's shape in every block layout, one seed; built once."""
+        """A newly initialised model of the checkpoint's shape with each norm placement it does not have, one seed;
+        built once."""
         if self.fresh is None:
-            self.fresh = {layout: measure.fresh_model(self.model, layout, self.seed) for layout in measure.LAYOUTS}
+            self.fresh = {
+                placement: measure.fresh_model(self.model, placement, self.seed)
+                for placement in measure.other_placements(self.config)
+            }
         return self.fresh
 
     def norm_profile(self, prompt: str) -> dict[str, tuple]:
         if prompt not in self.norm_profiles:
             encoded, analysis = self.analysis(prompt)
             profiles = {"this checkpoint": analysis}
-            for layout, model in self.fresh_models().items():
-                profiles[f"fresh {LAYOUT_NAMES[layout]}"] = measure.analyse(model, encoded.ids, attentions=False)
+            for placement, model in self.fresh_models().items():
+                profiles[f"fresh {LAYOUT_NAMES[placement]}"] = measure.analyse(model, encoded.ids, attentions=False)
             self.norm_profiles[prompt] = profiles
             while len(self.norm_profiles) > CACHED_PROMPTS:
                 self.norm_profiles.popitem(last=False)
@@ -555,7 +582,6 @@ class Explorer:
 
     def _norms(self, prompt: str) -> str:
         profiles = self.norm_profile(prompt)
-        own = f"fresh {LAYOUT_NAMES[measure.layout_of(self.config)]}"
         residual = {name: numbers_of(measure.residual_norms(a.residual)) for name, a in profiles.items()}
         grads = {name: numbers_of(a.ffn_grad_norms) for name, a in profiles.items()}
         L = self.config.num_hidden_layers
@@ -582,8 +608,8 @@ class Explorer:
                 "initialisation, gives the layers nearest the output the largest gradients (Xiong et al. 2020)."
             ),
             f"<p>This checkpoint ({d.esc(LAYOUT_NAMES[measure.layout_of(self.config)])}, trained) beside newly "
-            f"initialised models of the same shape in every block layout, all drawn from seed {self.seed} ('{own}' "
-            "has this checkpoint's layout), on this prompt. Residual stream: the mean over tokens of its L2 norm "
+            "initialised models of the same shape with each other norm placement, drawn from one seed "
+            f"({self.seed}), on this prompt. Residual stream: the mean over tokens of its L2 norm "
             "entering layer 0 and after each layer. Gradient: ‖∂L/∂W2‖ of each layer's second MLP matrix for the "
             "prompt's next-token loss, the quantity of Xiong et al.'s Figure 3 (as in experiments/norm_placement.py)."
             "</p>",
@@ -673,7 +699,7 @@ class Explorer:
     def report(self, prompt: str, layer: int = 0, head: int = 0, steps: int = 20, seed: int = 0) -> str:
         sampling = self.sampling_defaults
         sections = [
-            ("Attention", self.attention(prompt, layer, head)),
+            ("Attention", self.attention(prompt, layer, head) + self.scale_losses(prompt)),
             ("Heads", self.heads(prompt, layer)),
             ("Positions", self.positions(prompt, layer, head, -1, 0)),
             ("Norm placement", self.norms(prompt)),
