@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from huggingface_hub import HfApi
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -22,6 +23,7 @@ import decoderlab
 from decoderlab.explore import ExploreError, Explorer, drawing, load, measure
 from decoderlab.explore.cli import build_parser, listening_line, main
 from decoderlab.modeling_decoderlab import apply_rotary_pos_emb, repeat_kv
+from tests.test_hub import hub  # noqa: F401  (the local Hub fixture)
 from training.data import CHAR_PATTERN, train_char_tokenizer
 
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET: Ay me!\n"
@@ -567,3 +569,28 @@ def test_drawing_escapes_text_and_keeps_exact_values():
     svg = drawing.heatmap_svg(values, ["a"] * 3, ["b"] * 3, vmin=0, vmax=1)
     read = torch.tensor([float(v) for v in re.findall(r'data-v="([^"]+)"', svg)]).view(3, 3)
     assert torch.equal(read, values)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hub ids, through the tests' local Hub
+
+
+@pytest.mark.slow
+def test_hub_ids_load_as_folders_do(hub, checkpoint, tmp_path, tokenizer, randomize):  # noqa: F811 (the fixture)
+    """A decoderlab repository and a GPT-2 one on a Hub (the tests' local server), named by repo id: the first loads
+    as its folder does, the second is downloaded and converted on load; both answer the attention view with the
+    numbers their folders give."""
+    api = HfApi(endpoint=hub.url, token=hub.token)
+    folders = {"decoderlab": checkpoint("dl", num_key_value_heads=2)}
+    reference = randomize(tiny_reference("gpt2", len(tokenizer))).eval()
+    reference.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    folders["gpt2"] = tmp_path / "gpt2"
+    for name, folder in folders.items():
+        repo_id = f"decoderlab-org/explore-{name}"
+        api.create_repo(repo_id)
+        api.upload_folder(repo_id=repo_id, folder_path=folder)
+        from_hub, from_folder = Explorer(load(repo_id)), Explorer(load(str(folder)))
+        assert from_hub.loaded.converted_from == (None if name == "decoderlab" else "gpt2")
+        values = [re.findall(r'data-v="([^"]+)"', ex.attention(PROMPT, 1, 1)) for ex in (from_hub, from_folder)]
+        assert values[0] == values[1] and values[0]

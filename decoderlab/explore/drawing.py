@@ -292,6 +292,8 @@ def line_chart(
         parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{py(t):.1f}" y2="{py(t):.1f}" stroke="#e6e8eb"/>')
         parts.append(f'<text x="{left - 5}" y="{py(t) + 4:.1f}" font-size="11" text-anchor="end">{esc(label)}</text>')
     ticks = [math.log10(t) if log_x else t for t in x_ticks] if x_ticks is not None else nice_ticks(x_low, x_high)
+    if x_ticks is None and not log_x and all(float(v).is_integer() for v in x):
+        ticks = [t for t in ticks if float(t).is_integer()]  # layers, offsets: no tick between two of them
     for t in ticks:
         label = fmt(10**t if log_x else t, 3)
         parts.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{top}" y2="{top + plot_h}" stroke="#e6e8eb"/>')
