@@ -26,6 +26,8 @@ from decoderlab.modeling_decoderlab import apply_rotary_pos_emb, repeat_kv
 from tests.test_hub import hub  # noqa: F401  (the local Hub fixture)
 from training.data import CHAR_PATTERN, train_char_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nJULIET: Ay me!\n"
 PROMPT = "ROMEO: But soft, what light"
 
@@ -559,6 +561,22 @@ def test_command_line_listens_on_loopback_unless_told_and_says_so():
     assert (args.host, args.port, args.save, args.attn_implementation) == ("127.0.0.1", 7860, None, "eager")
     assert "only this machine can reach it" in listening_line("127.0.0.1", "http://127.0.0.1:7860/")
     assert "other machines on the network can reach it" in listening_line("0.0.0.0", "http://0.0.0.0:7860/")
+
+
+def test_speed_benchmark_times_every_view(tmp_path, capsys):
+    """``python -m benchmarks.explore_speed --quick``: the CPU named, every view timed cold and warm against the goal,
+    the JSON written through benchmarks.common.write_timing."""
+    from benchmarks import explore_speed
+
+    out = tmp_path / "explore_speed.json"
+    explore_speed.main(["--quick", "--shapes", "shakespeare_char", "--json_out", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("CPU: ") and "goal: every view within 1 s" in printed
+    result = json.loads(out.read_text())
+    run = result["results"]["shakespeare_char"]["prompts"][0]
+    views = {"attention", "scale re-runs", "heads", "positions", "norm placement", "generation"}
+    assert set(run["cold_s"]) == set(run["warm_s"]) == views and all(t > 0 for t in run["cold_s"].values())
+    assert result["machine"].startswith("CPU: ") and len(result["load_average"]) == 2
 
 
 def test_drawing_escapes_text_and_keeps_exact_values():

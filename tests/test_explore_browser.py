@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 import torch
+from playwright.sync_api import sync_playwright
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import free_port
@@ -78,8 +79,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")  # in the dev extra: a missing install shows as a skip
-    with sync_api.sync_playwright() as playwright:
+    with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         yield chromium
         chromium.close()

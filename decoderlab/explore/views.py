@@ -8,7 +8,6 @@ becomes a message in the view, never an exception out of it, so the page goes on
 
 import hashlib
 import html as html_module
-import logging
 import math
 import threading
 from collections import OrderedDict
@@ -19,8 +18,6 @@ import torch
 from . import drawing as d
 from . import measure
 from .loading import ExploreError, Loaded
-
-logger = logging.getLogger(__name__)
 
 # The longest prompt the views draw (the maps have one cell per pair of tokens)
 MAX_TOKENS = 256
