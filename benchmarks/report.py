@@ -332,6 +332,23 @@ def data_pipeline_rows(prepare: dict, loader: dict, resume: dict, tiny: dict, rs
     return markdown_table(["measure", "decoderlab", "beside it", "against the goal"], "lrll", rows)
 
 
+EXPLORE_VIEWS = ("attention", "scale re-runs", "heads", "positions", "norm placement", "generation")
+
+
+def explore_rows(report: dict) -> list[Line]:
+    """Each view's time for a new prompt (cold: the shared forward pass included) / for the same prompt again."""
+    rows = [
+        ([f"{name} ({result['model']})", str(prompt["prompt_tokens"]), f"{result['goal_s']:.0f} s"]
+         + [f"{prompt['cold_s'][view]:.2f} / {prompt['warm_s'][view]:.2f}" for view in EXPLORE_VIEWS],
+         "explore_speed.json")
+        for name, result in report["results"].items()
+        for prompt in result["prompts"]
+    ]  # fmt: skip
+    return markdown_table(
+        ["checkpoint", "prompt tokens", "goal"] + [f"{view}, s" for view in EXPLORE_VIEWS], "lrr" + "r" * 6, rows
+    )
+
+
 def short_measured(name: str, data: dict) -> str:
     """E.g. "[Intel Xeon, 2026-12-03](link to the file)": the headline's column; the rest is on the performance page."""
     provenance = data["provenance"]
@@ -436,6 +453,7 @@ TABLES = [
     Table("loss-paths", ("loss_paths.json",), "kernels.md", loss_paths_rows),
     Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
+    Table("explore", ("explore_speed.json",), None, explore_rows),
     Table(
         "data-pipeline",
         ("prepare_data.json", "data_loader.json", "resume_time.json", "resume_time-tiny_shakespeare.json", "rss.json"),
@@ -489,7 +507,7 @@ def render(table_name: str, page: pathlib.Path) -> list[Line]:
         return gpu_check_lines(page)
     table = next(t for t in TABLES if t.name == table_name)
     loaded = {name: load(name) for name in table.sources}
-    if table.note is None:  # the headline: each row links its file; where and when in full on the performance page
+    if table.name == "headline":  # the headline: each row links its file; where and when in full on the performance page
         where = (
             "the tables below give"
             if page == PERFORMANCE

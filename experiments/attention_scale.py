@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from decoderlab import DecoderLabConfig
+from decoderlab.explore.measure import entropy, softmax_jacobian_norm
 from decoderlab.modeling_decoderlab import DecoderLabAttention
 
 from . import common
@@ -86,22 +87,6 @@ def measure_scale(d_k: int, attention_scale: float | None, settings: Settings, d
         "jacobian_mean": jacobian.mean().item(),
         "grad_norm_qk": grad.norm().item(),
     }
-
-
-def entropy(weights: torch.Tensor) -> torch.Tensor:
-    """Entropy in nats of each softmax row (..., S) -> (...)."""
-    return -(weights * weights.clamp_min(1e-30).log()).sum(-1)
-
-
-def softmax_jacobian_norm(weights: torch.Tensor) -> torch.Tensor:
-    """Frobenius norm of d softmax / d scores = diag(w) - w w^T for each row w (..., S) -> (...).
-
-    ||J||^2 = sum_i (w_i - w_i^2)^2 + sum_{i != j} w_i^2 w_j^2 = sum w^2 - 2 sum w^3 + (sum w^2)^2, which is
-    1/S - 1/S^2 for a uniform row and 0 for a one-hot (saturated) row.
-    """
-    w = weights.double()
-    s2, s3 = (w**2).sum(-1), (w**3).sum(-1)
-    return (s2 - 2 * s3 + s2**2).clamp_min(0).sqrt().float()
 
 
 @torch.no_grad()
