@@ -37,6 +37,22 @@ def tokenizer():
     return train_char_tokenizer([TEXT])
 
 
+@pytest.fixture(scope="module")
+def legacy_tokenizer():
+    """A character tokenizer as decoderlab saved them before the unknown token: it refuses characters it lacks."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from training.data import EOS_TOKEN, wrap_tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(set(TEXT)))}
+    vocab[EOS_TOKEN] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_PATTERN), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([EOS_TOKEN])
+    return wrap_tokenizer(backend)
+
+
 def eager(model):
     model.set_attn_implementation("eager")
     return model.eval()
@@ -53,13 +69,14 @@ def model(tiny_model, tokenizer):
 
 
 @pytest.fixture
-def checkpoint(tmp_path, model, tokenizer):
-    """A saved checkpoint folder (model, tokenizer) of a tiny random model with ``overrides``."""
+def checkpoint(tmp_path, model, tokenizer, legacy_tokenizer):
+    """A saved checkpoint folder (model, tokenizer) of a tiny random model with ``overrides``; ``legacy``: with a
+    character tokenizer from before the unknown token."""
 
-    def make(name="ckpt", **overrides):
+    def make(name="ckpt", legacy=False, **overrides):
         folder = tmp_path / name
         model(**overrides).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        (legacy_tokenizer if legacy else tokenizer).save_pretrained(folder)
         return folder
 
     return make
@@ -351,8 +368,11 @@ def test_generation_stops_at_the_end_of_text_token(model, tokenizer):
     """Generation ends after the end-of-sequence token, as generate() does."""
     m = model()
     eos = tokenizer.eos_token_id
-    with torch.no_grad():
-        m.lm_head.weight[eos] += 100.0  # make the end of text the only likely token
+
+    def end_of_text_first(module, inputs, logits):  # make the end of text the only likely token
+        return logits.index_add(-1, torch.tensor([eos]), torch.full((*logits.shape[:-1], 1), 100.0))
+
+    m.lm_head.register_forward_hook(end_of_text_first)
     steps = measure.generate_steps(m, ids_of(tokenizer), 5, temperature=0.0, eos_token_ids=[eos])
     assert [s.token_id for s in steps] == [eos]
 
@@ -363,7 +383,7 @@ def test_generation_stops_at_the_end_of_text_token(model, tokenizer):
 
 @pytest.fixture
 def explorer(checkpoint):
-    def make(attn_implementation="eager", **overrides):
+    def make(attn_implementation="eager", **overrides):  # overrides: the config's, and legacy (the tokenizer)
         return Explorer(load(str(checkpoint(**overrides)), attn_implementation=attn_implementation))
 
     return make
@@ -400,41 +420,30 @@ def test_every_view_answers_a_good_prompt_without_a_message(explorer):
 
 
 @pytest.mark.parametrize(
-    "prompt, expected",
+    "prompt, legacy, expected",
     [
-        ("", "The prompt is empty"),
-        ("a" * 65, "The prompt is 65 tokens long, but this model has positions for 64 tokens"),
-        ("toé ☕", "outside this model's vocabulary: 'é' (U+00E9), '☕' (U+2615)"),
+        ("", False, "The prompt is empty"),
+        ("a" * 65, False, "The prompt is 65 tokens long, but this model has positions for 64 tokens"),
+        ("toé ☕", True, "outside this model's vocabulary: 'é' (U+00E9), '☕' (U+2615)"),
     ],
 )
-def test_bad_prompts_become_a_message_in_every_view(explorer, prompt, expected):
-    """An empty prompt, one longer than the model's positions, and characters the character tokenizer has no id for:
-    every view says so in words (naming the value and what to do), and the next request is answered normally."""
-    ex = explorer(position_embedding_type="learned")
+def test_bad_prompts_become_a_message_in_every_view(explorer, prompt, legacy, expected):
+    """An empty prompt, one longer than the model's positions, and characters a character tokenizer without an
+    unknown token (saved before decoderlab's had one) has no id for: every view says so in words (naming the value
+    and what to do), and the next request is answered normally."""
+    ex = explorer(position_embedding_type="learned", legacy=legacy)
     for page in (ex.attention(prompt), ex.heads(prompt), ex.positions(prompt), ex.norms(prompt),
                  ex.generation(prompt), ex.prompt_status(prompt)):  # fmt: skip
         assert len(messages(page)) == 1 and expected in messages(page)[0], page[:400]
     assert not messages(ex.attention(PROMPT))
 
 
-def test_a_tokenizer_with_an_unknown_token_gets_a_note_and_the_views_run(tmp_path, model, tokenizer):
-    """A tokenizer that maps characters outside its vocabulary to an unknown token: the views run on what the model
-    reads, with a note naming the characters and the token."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(set(TEXT)))}
-    vocab["<unk>"] = len(vocab)
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_PATTERN), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    with_unk = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
-    folder = tmp_path / "unk"
-    model().save_pretrained(folder)
-    with_unk.save_pretrained(folder)
-    ex = Explorer(load(str(folder)))
+def test_a_tokenizer_with_an_unknown_token_gets_a_note_and_the_views_run(checkpoint):
+    """decoderlab's character tokenizer maps characters outside its vocabulary to <|unk|>: the views run on what the
+    model reads, with a note naming the characters and the token."""
+    ex = Explorer(load(str(checkpoint(position_embedding_type="rope"))))
     status = ex.prompt_status("café")
-    assert "'é' (U+00E9)" in text(status) and "'<unk>'" in text(status) and not messages(status)
+    assert "'é' (U+00E9)" in text(status) and "'<|unk|>'" in text(status) and not messages(status)
     assert not messages(ex.attention("café"))
 
 
@@ -551,7 +560,7 @@ def test_saved_report_is_one_self_contained_file_with_every_view(checkpoint, tmp
 def test_a_bad_report_prompt_exits_with_the_message(checkpoint, tmp_path, capsys):
     """--save with a prompt the model cannot read exits with status 2 and says why; no file is written."""
     out = tmp_path / "report.html"
-    assert main([str(checkpoint()), "--save", str(out), "--prompt", "ünïcode"]) == 2
+    assert main([str(checkpoint(legacy=True)), "--save", str(out), "--prompt", "ünïcode"]) == 2
     assert "outside this model's vocabulary" in capsys.readouterr().err and not out.exists()
 
 

@@ -147,7 +147,9 @@ def values(page, selector: str, attribute: str = "value") -> list[float]:
 
 def messages(page, within: str = "") -> list[str]:
     """The messages shown in the page (or in the element ``within``, a CSS selector)."""
-    return [m.strip() for m in page.eval_on_selector_all(f'{within} [role="alert"]', "els => els.map(e => e.textContent)")]
+    return [
+        m.strip() for m in page.eval_on_selector_all(f'{within} [role="alert"]', "els => els.map(e => e.textContent)")
+    ]
 
 
 def load_direct(folder: pathlib.Path):
@@ -276,7 +278,9 @@ def test_every_view_shows_what_the_model_computes(layout, checkpoints, page, tmp
         open_tab(page, "Norm placement", tmp_path, f"{layout}-norms")
         hidden = [h[0] for h in out.hidden_states[: config.num_hidden_layers]] + [last_layer_output(model, ids)]
         expected = torch.stack([h.norm(dim=-1).mean() for h in hidden])
-        rows = page.eval_on_selector_all(".residual-norms tbody tr td:nth-child(2)", "els => els.map(e => +e.dataset.value)")
+        rows = page.eval_on_selector_all(
+            ".residual-norms tbody tr td:nth-child(2)", "els => els.map(e => +e.dataset.value)"
+        )
         torch.testing.assert_close(torch.tensor(rows), expected, rtol=1e-5, atol=1e-6)
 
         # generation: greedy, three tokens; the first two steps' top-5 against the softmax of a plain forward
@@ -308,15 +312,15 @@ def test_every_view_shows_what_the_model_computes(layout, checkpoints, page, tmp
 
 
 def test_bad_input_gets_a_message_in_the_page_and_the_server_goes_on(checkpoints, page, tmp_path):
-    """An empty prompt, a prompt longer than the model's 64 positions, characters outside the vocabulary, a layer
-    that does not exist: each shows its message in the page; then a good prompt is answered in full."""
+    """An empty prompt, a prompt longer than the model's 64 positions, a layer that does not exist: each shows its
+    message in the page; characters outside the vocabulary get a note naming them and the unknown token they become,
+    and every view answers; then a good prompt is answered in full."""
     server = Server(checkpoints["learned-sandwich-mqa"])
     try:
         page.goto(server.url)
         cases = [
             ("", "The prompt is empty"),
             ("a" * 70, "The prompt is 70 tokens long, but this model has positions for 64 tokens"),
-            ("café ☕", "outside this model's vocabulary: 'é' (U+00E9), '☕' (U+2615)"),
         ]
         for number, (prompt, expected) in enumerate(cases):
 
@@ -326,6 +330,13 @@ def test_bad_input_gets_a_message_in_the_page_and_the_server_goes_on(checkpoints
 
             run_prompt(page, None, prompt, said)
             page.screenshot(path=tmp_path / f"bad-input-{number}.png", full_page=True)
+
+        def noted(tab: str, element: str) -> None:
+            notes = page.eval_on_selector_all("#status .note", "els => els.map(e => e.textContent)")
+            assert not messages(page, "#status") and not messages(page, f"#{element}"), tab
+            assert any("'é' (U+00E9), '☕' (U+2615)" in n and "'<|unk|>'" in n for n in notes), (tab, notes)
+
+        run_prompt(page, None, "café ☕", noted)
         run_prompt(page, server.url, PROMPT)
         assert not messages(page)
         set_number(page, "attention-layer", 1)
@@ -345,7 +356,9 @@ def test_a_backend_without_weights_says_so_in_the_page(checkpoints, page, tmp_pa
         open_tab(page, "Attention", tmp_path, "sdpa-attention")
         shown = messages(page, "#attention-view") + messages(page, "#heads-view")
         assert len(shown) == 2 and all("'sdpa' computes attention without returning its weights" in m for m in shown)
-        assert not messages(page, "#positions-view") + messages(page, "#norms-view") + messages(page, "#generation-view")
+        assert (
+            not messages(page, "#positions-view") + messages(page, "#norms-view") + messages(page, "#generation-view")
+        )
         assert page.locator("#positions-view .rope-deviation").count() == 1
         assert page.locator("#generation-view .generation-steps").count() == 1
     finally:

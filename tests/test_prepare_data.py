@@ -193,7 +193,9 @@ def test_tokenizer_other_than_the_datas_is_refused_naming_both_hashes(prepared, 
     other.save_pretrained(tmp_path / "other")
     output = tmp_path / "run"
     ours, theirs = tokenizer_hash(PreparedData(prepared).tokenizer)[:16], tokenizer_hash(other)[:16]
-    with pytest.raises(ValueError, match=f"tokenized with tokenizer {ours}, but --tokenizer_name .* tokenizer is {theirs}"):
+    with pytest.raises(
+        ValueError, match=f"tokenized with tokenizer {ours}, but --tokenizer_name .* tokenizer is {theirs}"
+    ):
         pretrain.main(["--prepared_data", str(prepared), "--output_dir", str(output), "--tokenizer_type",
                        "pretrained", "--tokenizer_name", str(tmp_path / "other")])  # fmt: skip
     assert not (output / "metrics.jsonl").exists()
