@@ -36,15 +36,19 @@ def page_id(path: pathlib.Path) -> str:
     return str(path.relative_to(REPO_ROOT))
 
 
-def page_params(pages):
-    return [pytest.param(p, id=page_id(p), marks=[pytest.mark.slow] if is_slow_page(p) else []) for p in pages]
+def page_params(pages, slow_pages_slow: bool = False):
+    """One parameter per page; with ``slow_pages_slow``, the pages marked ``<!-- snippets: slow -->`` run as slow."""
+    slow = [pytest.mark.slow]
+    return [pytest.param(p, id=page_id(p), marks=slow if slow_pages_slow and is_slow_page(p) else []) for p in pages]
 
 
 # ----------------------------------------------------------------------------------------------
 # Every ```python block runs
 
 
-@pytest.mark.parametrize("page", page_params([p for p in PAGES if any(f.lang == "python" for f in fences(p))]))
+@pytest.mark.parametrize(
+    "page", page_params([p for p in PAGES if any(f.lang == "python" for f in fences(p))], slow_pages_slow=True)
+)
 def test_python_blocks_run(page, tmp_path):
     """Each page's ```python blocks run top to bottom in one namespace in a fresh folder, offline on the CPU, so no
     example depends on a name, file or checkpoint it does not make (the drifted torchao, TRL and performance
