@@ -2,6 +2,7 @@
 #   make demo       pretrain the default recipe on Tiny Shakespeare, then generate from the result
 #   make test       the fast tests: everything not marked slow (the inner loop)
 #   make test-all   every test, the slow ones too (whole training runs, subprocesses, the Hub mirror): CI's
+#   make docs       the documentation site in site/ (mkdocs build --strict)
 # Both create .venv and install decoderlab into it (torch 2.13.0 first: see README).
 
 VENV ?= .venv
@@ -24,11 +25,17 @@ LLAMACPP_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -
 	-DCMAKE_PROJECT_llama.cpp_INCLUDE=$(abspath $(LLAMACPP_VENV))/no-common.cmake
 VLLM_VENV ?= .venv-vllm
 
+# KaTeX typesets the docs' equations, served by the site itself (no CDN: the site and its tests work offline). It
+# comes from its npm package at build time, unpacked into docs/assets/katex/ (gitignored): the script, the
+# stylesheet, its fonts and the auto-render extension that finds pymdownx.arithmatex's math in the pages
+KATEX_VERSION := 0.19.1
+KATEX_DIR := docs/assets/katex
+
 # transformers' common model tests (tests/test_hf_common.py) come from the sdist of the installed release, never
 # vendored: its tests/ folder and PKG-INFO, unpacked into .hf-tests/ (gitignored); .hf-tests/current points at it
 HF_TESTS := .hf-tests/current/tests
 
-.PHONY: venv olah llamacpp vllm hf-tests demo test test-all test-versions lint clean
+.PHONY: venv olah llamacpp vllm hf-tests katex docs demo test test-all test-versions lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -89,6 +96,20 @@ hf-tests: venv
 	fi; \
 	ln -sfn transformers-$$version .hf-tests/current
 
+$(KATEX_DIR)/.installed:
+	rm -rf $(KATEX_DIR) .katex-pack && mkdir -p $(KATEX_DIR) .katex-pack
+	cd .katex-pack && npm pack --silent katex@$(KATEX_VERSION) >/dev/null && tar -xzf katex-$(KATEX_VERSION).tgz
+	cp .katex-pack/package/dist/katex.min.js .katex-pack/package/dist/katex.min.css \
+		.katex-pack/package/dist/contrib/auto-render.min.js .katex-pack/package/LICENSE $(KATEX_DIR)/
+	cp -r .katex-pack/package/dist/fonts $(KATEX_DIR)/
+	rm -rf .katex-pack
+	touch $@
+
+katex: $(KATEX_DIR)/.installed
+
+docs: venv katex
+	$(PY) -m mkdocs build --strict
+
 demo: venv
 	$(PY) training/pretrain.py --config training/configs/shakespeare_char.yaml \
 		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
@@ -98,7 +119,7 @@ demo: venv
 test: venv hf-tests
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-all: venv olah llamacpp vllm hf-tests
+test-all: venv olah llamacpp vllm hf-tests katex
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The checkpoint round trip across transformers releases, each in its own environment under .venv-tf/
@@ -109,4 +130,4 @@ lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) $(OLAH_VENV) $(LLAMACPP_VENV) $(VLLM_VENV) .hf-tests .venv-tf out
+	rm -rf $(VENV) $(OLAH_VENV) $(LLAMACPP_VENV) $(VLLM_VENV) .hf-tests .venv-tf out site $(KATEX_DIR)

@@ -33,48 +33,13 @@ def _choices(literal) -> tuple[str, ...]:
 
 @strict
 class DecoderLabConfig(PreTrainedConfig):
-    r"""Configuration of a DecoderLab decoder-only language model.
+    """Configuration of a DecoderLab decoder-only language model.
 
-    Sizes
-        vocab_size, hidden_size, num_hidden_layers, num_attention_heads: as in every HF decoder.
-        num_key_value_heads: equal to ``num_attention_heads`` is multi-head attention, fewer is
-            grouped-query attention (Ainslie et al. 2023), 1 is multi-query (Shazeer 2019).
-            ``None`` means ``num_attention_heads``.
-        head_dim: per-head width; ``None`` means ``hidden_size // num_attention_heads``.
-        intermediate_size: MLP width; ``None`` means 4 x hidden for the plain MLP and 8/3 x hidden
-            (rounded up to a multiple of 64) for the gated MLP, which keeps their parameter counts equal.
-        max_position_embeddings: longest sequence for learned/sinusoidal positions; the RoPE cache size.
-
-    Attention
-        attention_scale: the factor in ``softmax(Q K^T * scale) V``. ``None`` is ``1/sqrt(head_dim)``
-            (Vaswani et al. 2017); ``1.0`` turns scaling off.
-        qk_norm: normalise each head's queries and keys (``norm_type``) before RoPE (OLMo 2, Qwen 3).
-        attention_bias, attention_dropout.
-
-    Positions (``position_embedding_type``)
-        ``"rope"`` rotary (Su et al. 2021), configured by ``rope_parameters`` (``rope_theta``,
-        ``partial_rotary_factor``, and the scaling types of ``transformers.modeling_rope_utils``);
-        ``"sinusoidal"`` (Vaswani et al. 2017); ``"learned"`` absolute (GPT-2); ``"none"`` (NoPE).
-
-    Normalisation
-        norm_placement: ``"pre"`` x + f(LN(x)); ``"post"`` LN(x + f(x)) (the original Transformer);
-            ``"sandwich"`` x + LN(f(LN(x))).
-        norm_type: ``"layernorm"`` or ``"rmsnorm"``; norm_eps; norm_bias (LayerNorm only).
-        use_parallel_residual: GPT-J / GPT-NeoX block, x + attn(LN1(x)) + mlp(LN2(x)); pre-norm only.
-
-    MLP
-        mlp_type: ``"gated"`` down(act(gate(x)) * up(x)) (SwiGLU with silu, Shazeer 2020) or
-            ``"plain"`` down(act(up(x))); hidden_act; mlp_bias.
-
-    Other
-        embedding_multiplier: factor on the token embeddings, before positions are added; the original
-            Transformer uses sqrt(hidden_size) (Vaswani et al. 2017, section 3.4; Gemma too). ``1.0`` is off.
-        hidden_dropout: dropout on the embeddings and on each sublayer's output.
-        tie_word_embeddings: share ``lm_head`` with ``embed_tokens``.
-        initializer_range: std of the normal init; scale_residual_init: GPT-2's init of the
-            residual output projections (``o_proj``, ``down_proj``) with std / sqrt(2 x layers).
-        embedding_initializer_range: std of the token embeddings' normal init (``None``: initializer_range);
-            only the start of training differs, the model computes the same function of its weights.
+    Every mechanism of the decoder is a field (sizes, attention, positions, normalisation, MLP, the rest), with
+    Hugging Face's standard name wherever one exists; each field's docstring says what it does. The config
+    validates itself once, when it is built: a bad value raises ``ValueError`` naming the field, the value and
+    what is allowed. ``DecoderLabConfig.from_preset`` builds the named architectures (Llama, GPT-2, GPT-NeoX, the
+    original Transformer) at named sizes.
     """
 
     model_type = "decoderlab"
@@ -96,42 +61,93 @@ class DecoderLabConfig(PreTrainedConfig):
 
     # sizes
     vocab_size: int = 32000
+    """Tokens in the vocabulary: the rows of ``embed_tokens`` and ``lm_head``."""
     hidden_size: int = 768
+    """Width of the residual stream, C."""
     num_hidden_layers: int = 12
+    """Decoder blocks."""
     num_attention_heads: int = 12
+    """Query heads."""
     num_key_value_heads: int | None = None
+    """Key/value heads (``None``: ``num_attention_heads``). Equal to the query heads is multi-head attention, fewer is
+    grouped-query attention (Ainslie et al. 2023), 1 is multi-query attention (Shazeer 2019); it must divide the
+    query heads."""
     head_dim: int | None = None
+    """Width of each head (``None``: ``hidden_size // num_attention_heads``); set it to decouple the heads from C."""
     intermediate_size: int | None = None
+    """MLP width (``None``: 4C for the plain MLP, 8C/3 rounded up to a multiple of 64 for the gated one, which gives
+    the two about the same parameter count)."""
     max_position_embeddings: int = 2048
+    """Longest sequence for learned and sinusoidal positions (longer input raises ``ValueError``); the reference length
+    of RoPE scaling."""
     # attention
     attention_scale: float | None = None
+    """The factor in softmax(Q K^T * scale) V (``None``: 1/sqrt(head_dim), Vaswani et al. 2017); ``1.0`` turns scaling
+    off."""
     qk_norm: bool = False
+    """Normalise each head's queries and keys (with ``norm_type``) before RoPE, as OLMo 2 and Qwen 3 do."""
     attention_bias: bool = False
+    """Biases on ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj``."""
     attention_dropout: float = 0.0
+    """Dropout on the attention weights, in training."""
     # positions
     position_embedding_type: PositionEmbeddingType = "rope"
+    """``"rope"`` rotary (Su et al. 2021), ``"sinusoidal"`` (Vaswani et al. 2017), ``"learned"`` absolute (GPT-2) or
+    ``"none"`` (NoPE: causal masking alone)."""
     rope_parameters: RopeParameters | dict | None = None
+    """RoPE settings in transformers' format (``None``: ``{"rope_type": "default", "rope_theta": 10000.0}``):
+    ``rope_theta``, ``partial_rotary_factor`` (the fraction of each head that rotates, GPT-NeoX) and the scaling
+    types of ``transformers.modeling_rope_utils`` (linear, dynamic, yarn, longrope, llama3) with their keys. The
+    legacy ``rope_theta=``, ``partial_rotary_factor=`` and ``rope_scaling=`` keywords are accepted and moved here. A
+    config without RoPE has no ``rope_parameters``."""
     # normalisation
     norm_placement: NormPlacement = "pre"
+    """``"pre"``: x + f(LN(x)) (GPT-2, Llama; stable, Xiong et al. 2020); ``"post"``: LN(x + f(x)) (the original
+    Transformer; needs warmup when deep); ``"sandwich"``: x + LN(f(LN(x))) (CogView, Gemma 2)."""
     norm_type: NormType = "rmsnorm"
+    """``"rmsnorm"`` (Zhang & Sennrich 2019) or ``"layernorm"``."""
     norm_eps: float = 1e-5
+    """Epsilon of every norm."""
     norm_bias: bool = True
+    """Bias of LayerNorm (RMSNorm has none)."""
     use_parallel_residual: bool = False
+    """The GPT-J / GPT-NeoX block, x + Attn(LN_1(x)) + MLP(LN_2(x)); needs ``norm_placement="pre"``."""
     # MLP
     mlp_type: MlpType = "gated"
+    """``"gated"``: down(act(gate(x)) * up(x)) (SwiGLU with silu, Shazeer 2020); ``"plain"``: down(act(up(x)))."""
     hidden_act: HiddenAct = "silu"
+    """The MLP's activation: ``gelu`` (exact), ``gelu_new`` / ``gelu_pytorch_tanh`` (GPT-2's tanh approximation),
+    ``relu``, ``relu2``, ``silu`` / ``swish``, ``tanh``."""
     mlp_bias: bool = False
+    """Biases on the MLP projections."""
     # other
     embedding_multiplier: float = 1.0
+    """Factor on the token embeddings, applied before absolute positions are added: sqrt(hidden_size) in the original
+    Transformer (Vaswani et al. 2017, section 3.4; Gemma too). Part of ``embed_tokens``, as in transformers' Gemma,
+    so ``get_input_embeddings()(ids)`` is scaled and ``inputs_embeds`` passed in are used as they are. ``1.0``
+    builds a plain ``nn.Embedding``."""
     hidden_dropout: float = 0.0
+    """Dropout on the embeddings and on each sublayer's output, in training."""
     tie_word_embeddings: bool = False
+    """Share ``lm_head.weight`` with ``embed_tokens.weight``."""
     initializer_range: float = 0.02
+    """Standard deviation of the normal initialisation."""
     scale_residual_init: bool = True
+    """GPT-2's initialisation of the residual output projections (``o_proj``, ``down_proj``): std / sqrt(2 x layers).
+    Drawn on the projections themselves, so it holds on every transformers release; saved checkpoints are not
+    affected."""
     embedding_initializer_range: float | None = None
+    """Standard deviation of the token embeddings' initialisation (``None``: ``initializer_range``; a tied ``lm_head``
+    is the same matrix). Only the start of training changes: every other weight draws what it would have drawn."""
     use_cache: bool = True
+    """Return a KV cache from ``forward`` (generation uses one either way); a training-mode forward with gradients
+    builds none unless passed ``use_cache=True``."""
     pad_token_id: int | None = None
+    """Padding token, as in every transformers config."""
     bos_token_id: int | None = None
+    """Beginning-of-sequence token."""
     eos_token_id: int | list[int] | None = None
+    """End-of-sequence token, or several."""
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
