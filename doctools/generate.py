@@ -234,6 +234,58 @@ def experiment_files() -> dict[str, pathlib.Path]:
     return files
 
 
+# Repository folders the site carries at the same paths (the performance page links its results files and the notes
+# that tell their history; the notes link the archived results)
+PUBLISHED_DIRS = ("benchmarks/results", "benchmarks/notes")
+SITE_LINK = re.compile(r"(?P<head>\]\(\s*<?)(?P<target>[^)\s>#]+)(?P<tail>[^)]*\))")
+
+
+def published_files() -> dict[str, pathlib.Path]:
+    """Site path -> file for every results file and note (``benchmarks/results/speed.json``): the same path as in
+    the repository, so their links to each other hold as they are."""
+    return {
+        path.relative_to(REPO_ROOT).as_posix(): path
+        for folder in PUBLISHED_DIRS
+        for path in sorted((REPO_ROOT / folder).rglob("*"))
+        if path.is_file() and path.suffix in (".json", ".md")
+    }
+
+
+def repository_path(site_path: str) -> pathlib.Path:
+    """Where the page at ``site_path`` lives in the repository: docs/ for the docs, its own path for a published
+    file, experiments/results/ for the experiments' reports."""
+    if site_path.startswith(tuple(folder + "/" for folder in PUBLISHED_DIRS)):
+        return REPO_ROOT / site_path
+    if site_path.startswith(EXPERIMENTS_SITE_DIR + "/"):
+        return EXPERIMENTS_DIR / site_path.removeprefix(EXPERIMENTS_SITE_DIR + "/")
+    return REPO_ROOT / "docs" / site_path
+
+
+def site_links(markdown: str, site_path: str) -> str:
+    """The page's relative links, written for reading in the repository, rewritten for the site where the two
+    differ: a docs page's link to a published file (``../benchmarks/results/x.json``) and a note's link into docs/
+    (``../../docs/performance.md``) point at the file's place in the site. Other links are left as they are."""
+    page = repository_path(site_path)
+    docs = REPO_ROOT / "docs"
+    published = published_files()
+
+    def rewrite(match: re.Match) -> str:
+        target = match["target"]
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("/"):
+            return match[0]
+        resolved = pathlib.Path(posixpath.normpath((page.parent / target).as_posix()))
+        if resolved.is_relative_to(docs):
+            site = resolved.relative_to(docs).as_posix()
+        elif resolved.is_relative_to(REPO_ROOT) and resolved.relative_to(REPO_ROOT).as_posix() in published:
+            site = resolved.relative_to(REPO_ROOT).as_posix()
+        else:
+            return match[0]
+        new = posixpath.relpath(site, posixpath.dirname(site_path) or ".")
+        return match["head"] + new + match["tail"]
+
+    return SITE_LINK.sub(rewrite, markdown)
+
+
 def experiment_markdown(name: str, page_path: str) -> str:
     """An experiment's verdict, its checks and its plots, read from ``experiments/results/NAME``; links relative to
     the page at site path ``page_path`` (``concepts/attention.md``)."""

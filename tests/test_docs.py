@@ -24,6 +24,8 @@ from doctools.generate import (
     experiment_files,
     experiment_markdown,
     flags_markdown,
+    published_files,
+    site_links,
 )
 from doctools.markdown import MarkdownError, broken_links, fences, is_slow_page, shell_lines
 from doctools.snippets import SnippetError, run_page
@@ -186,12 +188,30 @@ def test_other_commands_are_not_parsed():
 # Links
 
 
-@pytest.mark.parametrize("page", page_params(PAGES))
+NOTES = sorted((REPO_ROOT / "benchmarks" / "notes").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", page_params(PAGES + NOTES))
 def test_links_resolve(page):
-    """Every relative link and image of the README and the docs points at a file that exists (or that the build
-    adds: the experiments' reports and plots), and every #anchor at a heading of its page; external links are
-    not fetched."""
+    """Every relative link and image of the README, the docs and the benchmark notes (which the site carries) points
+    at a file that exists (or that the build adds: the experiments' reports and plots), and every #anchor at a
+    heading of its page; external links are not fetched."""
     assert not broken_links(page, experiment_files())
+
+
+def test_links_to_the_repository_are_rewritten_for_the_site():
+    """The site carries the results files and notes at their repository paths: a docs page's link to one, and a
+    note's link into docs/, point at their place in the site; links inside docs/ and external ones stay."""
+    published = published_files()
+    assert "benchmarks/results/rss.json" in published and "benchmarks/notes/data-pipeline.md" in published
+    page = "[a](../../benchmarks/results/rss.json) [b](../performance.md#headline) [c](https://x.org/a.md)"
+    assert site_links(page, "guides/data.md") == (
+        "[a](../benchmarks/results/rss.json) [b](../performance.md#headline) [c](https://x.org/a.md)"
+    )
+    note = "[p](../../docs/performance.md#the-data-pipeline) [r](../results/archive/x.json)"
+    assert site_links(note, "benchmarks/notes/data-pipeline.md") == (
+        "[p](../../performance.md#the-data-pipeline) [r](../results/archive/x.json)"
+    )
 
 
 def test_broken_links_are_reported(tmp_path):

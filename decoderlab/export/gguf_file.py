@@ -158,8 +158,9 @@ def gguf_vocab(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> GGUFVocab
         problems += _byte_level_bpe_problems(spec)
         merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]  # both tokenizers formats
         respell = lambda text: text  # noqa: E731  (already in the byte alphabet)
-    elif model["type"] == "WordLevel" and all(len(t) == 1 for t in model["vocab"]):
-        wide = sorted(t for t in model["vocab"] if ord(t) >= 128)
+    elif model["type"] == "WordLevel" and all(len(t) == 1 or t in added for t in model["vocab"]):
+        # the special tokens (<|endoftext|>, <|unk|>) sit in the vocabulary too, and keep their ids as added tokens
+        wide = sorted(t for t in model["vocab"] if len(t) == 1 and ord(t) >= 128)
         if wide:
             problems.append(
                 f"characters outside ASCII {wide[:10]}: a character tokenizer becomes a byte-level BPE "
