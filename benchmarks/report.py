@@ -358,7 +358,8 @@ def short_measured(name: str, data: dict) -> str:
 
 
 def headline_rows(
-    shakespeare: dict, train: dict, decode: dict, compiled: dict, vllm: dict, onnx: dict, gguf: dict
+    shakespeare: dict, train: dict, decode: dict, compiled: dict, vllm: dict, onnx: dict, gguf: dict, prepare: dict,
+    resume: dict,
 ) -> list[Line]:
     """The README's few figures, each from its results file, each a link away from the rest."""
 
@@ -372,7 +373,8 @@ def headline_rows(
     onnx_worst = max(row["onnx"]["max_abs_logit_difference"] for row in onnx["rows"])
     executorch_worst = max(row["executorch"]["max_abs_logit_difference"] for row in onnx["rows"])
     sizes = " / ".join
-    measured = dict(zip(HEADLINE_SOURCES, (shakespeare, train, decode, compiled, vllm, onnx, gguf)))
+    measured = dict(zip(HEADLINE_SOURCES, (shakespeare, train, decode, compiled, vllm, onnx, gguf, prepare, resume)))
+    first = resume["median_seconds_to_first_step"]
     rows = [
         (["the main job, `make demo`'s recipe", "nanoGPT's `shakespeare_char` CPU recipe",
           f"validation loss {shakespeare['ours']['val_loss_every_window']:.3f} against "
@@ -393,6 +395,11 @@ def headline_rows(
         (["llama.cpp, GGUF f32", "the model in transformers",
           f"last-token logits within {small(gguf['outtypes']['f32']['llamacpp_max_last_logit_diff'])}"],
          "gguf_export.json"),
+        (["preparing token shards, tokens/s per core", "nanoGPT's tiktoken + `datasets.map` method",
+          times(prepare["ratio_ours_over_nanogpt"])], "prepare_data.json"),
+        ([f"resuming a stream at step {resume['far_step']:,}, launch to first step", "replaying the trained batches",
+          f"{first['stream, resumed at step 10,000']:.1f} s against "
+          f"{first['stream, replayed to step 10,000 (before)']:.0f} s"], "resume_time.json"),
     ]  # fmt: skip
     rows = [(cells + [short_measured(source, measured[source])], source) for cells, source in rows]
     return markdown_table(["what", "against", "decoderlab", "measured"], "llll", rows)
@@ -406,6 +413,8 @@ HEADLINE_SOURCES = (
     "vllm_speed.json",
     "export_formats.json",
     "gguf_export.json",
+    "prepare_data.json",
+    "resume_time.json",
 )
 MAIN_JOB = Table(
     "main-job",

@@ -1,5 +1,5 @@
-"""transformers' own common model tests (``ModelTesterMixin`` of the transformers 5.24.0 source distribution)
-run against DecoderLabModel, DecoderLabForCausalLM and DecoderLabForSequenceClassification, for four block
+"""transformers' own common model tests (``ModelTesterMixin`` of the installed transformers release's source
+distribution) run against DecoderLabModel, DecoderLabForCausalLM and DecoderLabForSequenceClassification, for four block
 and position layouts. They protect the contract every transformers model keeps (save/load, missing and
 unexpected weights, resizing embeddings, attention outputs and hidden states, gradient checkpointing,
 attention backends, initialisation, ...), which tools (PEFT, TRL, vLLM, Accelerate) rely on.
