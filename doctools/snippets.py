@@ -30,6 +30,28 @@ def shown_path(path: pathlib.Path) -> str:
         return str(path)
 
 
+@contextlib.contextmanager
+def forgetting_accelerate_state():
+    """Accelerate keeps one process-wide state (its device, distributed setup and mixed precision) from the first
+    ``Accelerator`` on: a page whose Trainer chose bf16 (TRL's configs do on a CPU with bfloat16) would make every
+    later ``Accelerator(mixed_precision="no")`` in the same process fail. Each page starts and ends without it, as a
+    reader's fresh interpreter would."""
+
+    def forget() -> None:
+        try:
+            from accelerate.state import AcceleratorState, GradientState
+        except ImportError:
+            return
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    forget()
+    try:
+        yield
+    finally:
+        forget()
+
+
 def run_page(path: pathlib.Path, workdir: pathlib.Path) -> tuple[int, collections.Counter]:
     """Run every ```python block of ``path`` in ``workdir``; returns (blocks run, Counter of skip reasons)."""
     import torch
@@ -38,7 +60,7 @@ def run_page(path: pathlib.Path, workdir: pathlib.Path) -> tuple[int, collection
     namespace = {"__name__": "__docs__", "__file__": filename}
     ran, skipped = 0, collections.Counter()
     torch.manual_seed(0)
-    with contextlib.chdir(workdir):
+    with contextlib.chdir(workdir), forgetting_accelerate_state():
         for fence in fences(path):
             if fence.lang != "python":
                 continue

@@ -214,6 +214,17 @@ def test_links_to_the_repository_are_rewritten_for_the_site():
     )
 
 
+def test_a_page_leaves_no_accelerate_state_behind(tmp_path):
+    """A page whose Accelerator chose bf16 (as TRL's trainers do) leaves the next page, and the tests after it, free
+    to create an Accelerator of another precision in the same process."""
+    from accelerate import Accelerator
+
+    page = tmp_path / "page.md"
+    page.write_text('# Page\n\n```python\nfrom accelerate import Accelerator\n\nAccelerator(mixed_precision="bf16")\n```\n')
+    assert run_page(page, tmp_path) == (1, {})
+    assert Accelerator(mixed_precision="no").mixed_precision == "no"
+
+
 def test_broken_links_are_reported(tmp_path):
     """Bad input: a missing file and a missing anchor are each reported with the file and line."""
     (tmp_path / "other.md").write_text("# Other page\n\n## A section\n")
