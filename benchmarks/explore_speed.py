@@ -4,10 +4,10 @@
     python -m benchmarks.explore_speed --json_out benchmarks/results/explore_speed.json
 
 The goals (issue 34): every view within 1 s for the default recipe's model (training/configs/shakespeare_char.yaml:
-4 x 128, 64 positions, the 66-character vocabulary) and within 5 s for a 12 x 768 model (the llama preset's "small"
+4 x 128, 64 positions, the 67-token character vocabulary) and within 5 s for a 12 x 768 model (the llama preset's "small"
 size with GPT-2's 50,304-token vocabulary and 1024 positions). Prompts of 64 tokens (the recipe's block), and for
 12 x 768 also of 256, the longest the explorer draws. Weights are random: a view's cost does not depend on them.
-One torch thread by default, as the explorer runs (its --threads).
+torch's own number of threads by default (one per core), as the explorer runs unless its --threads says otherwise.
 
 Each view is timed as ``Explorer`` answers it on the server, HTML included: *cold*, for a prompt never seen (the one
 forward with attention weights and its backward, ``measure.analyse``, included: what the first view after Run
@@ -104,7 +104,7 @@ def time_views(explorer: Explorer, repeats: int, tokens: int, text: str) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     parser = timing_parser(__doc__, repeats=3)
-    parser.set_defaults(threads=1)
+    parser.set_defaults(threads=torch.get_num_threads())
     parser.add_argument("--shapes", default="shakespeare_char,12x768", help="comma-separated: shakespeare_char, 12x768")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 16-token prompts, one round")
     args = parser.parse_args(argv)

@@ -462,7 +462,7 @@ TABLES = [
     Table("loss-paths", ("loss_paths.json",), "kernels.md", loss_paths_rows),
     Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
-    Table("explore", ("explore_speed.json",), None, explore_rows),
+    Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
     Table(
         "data-pipeline",
         ("prepare_data.json", "data_loader.json", "resume_time.json", "resume_time-tiny_shakespeare.json", "rss.json"),
@@ -474,6 +474,7 @@ PAGES = {
     "README.md": ["headline"],
     "docs/performance.md": [table.name for table in TABLES],
     "docs/guides/data.md": ["data-pipeline"],
+    "docs/guides/explore.md": ["explore"],
 }
 # the GPU check's results file, shown on the performance page once a GPU has written it (never so far)
 GPU_CHECK = "gpu_check.json"

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch threads; one keeps a small model fastest on a busy machine, more speed up a large one on idle cores",
+        default=None,
+        help="torch threads (default: torch's, one per core); a small model answers alike with one, a large one "
+        "needs them all (python -m benchmarks.explore_speed)",
     )
     return parser
 
@@ -64,10 +65,11 @@ def listening_line(host: str, url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads < 1:
+    if args.threads is not None and args.threads < 1:
         print(f"error: --threads {args.threads}: give at least 1.", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("decoderlab").setLevel(logging.INFO)  # the conversion's summary line; not the web server's
     disable_progress_bar()
