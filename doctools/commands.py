@@ -176,3 +176,50 @@ def capture_parser(module_name: str) -> argparse.ArgumentParser:
     except _Parsed as captured:
         return captured.result
     raise CommandError(f"{module_name}.main() built no argparse parser.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the offline commands (make test-all)
+
+# appended to a training command so a page's walkthrough runs in seconds; later flags win over earlier ones
+SHORT_TRAINING = ("--max_train_steps", "6", "--eval_steps", "3", "--checkpointing_steps", "3")
+TRAINING_SCRIPTS = ("training.pretrain", "training.finetune")
+OUTPUT_FLAGS = ("--output_dir", "--save", "--json_out")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def offline_reason(command: Command, parsed, workdir: pathlib.Path) -> str | None:
+    """Why ``command`` cannot run here, offline on a CPU in a short form (None: it can). ``parsed`` is what its
+    parser made of it (``parse_with_script``); paths are checked against ``workdir``, after the page's earlier
+    commands have run there, so a checkpoint an earlier line trains counts as present."""
+    if command.launcher != "python":
+        return f"{command.launcher}: more processes (the distributed tests launch them)"
+    if command.module.split(".")[0] in ("benchmarks", "experiments"):
+        return "a benchmark or experiment run (their quick forms run in the tests)"
+    if command.module == "decoderlab.explore" and "--save" not in command.argv:
+        return "starts a web server (tests/test_explore_browser.py starts it)"
+    if command.module == "decoderlab.push" or "--push_to_hub" in command.argv:
+        return "uploads to the Hub (network)"
+    prepared = getattr(parsed, "prepared_data", None)
+    from_files = bool(getattr(parsed, "train_file", None)) or bool(
+        prepared and (workdir / prepared / "meta.json").is_file()
+    )
+    for field in ("dataset_name", "model_name_or_path", "tokenizer_name"):
+        value = getattr(parsed, field, None)
+        if isinstance(value, str) and not (workdir / value).exists() and not (field == "dataset_name" and from_files):
+            return f"{field} {value!r} is not here: a Hub repository (network)"
+    outputs = {command.argv[i + 1] for i, word in enumerate(command.argv[:-1]) if word in OUTPUT_FLAGS}
+    for word in command.argv:
+        if HUB_ID.match(word) and word not in outputs and not (workdir / word).exists():
+            return f"{word!r} is not here: a Hub repository (network) or a folder the page does not make"
+    if command.module == "decoderlab.convert" and command.argv and command.argv[0] == "--from":
+        source = command.argv[2] if len(command.argv) > 2 else ""
+        if not (workdir / source).exists():
+            return f"{source!r} is not here: a checkpoint the page does not make"
+    return None
+
+
+def runnable_argv(command: Command, python: str) -> list[str]:
+    """The command as a subprocess runs it: ``python -m MODULE ARGS``, a training run shortened."""
+    short = SHORT_TRAINING if command.module in TRAINING_SCRIPTS else ()
+    return [python, "-m", command.module, *command.argv, *short]

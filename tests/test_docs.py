@@ -6,9 +6,11 @@ The pages whose blocks take long (``<!-- snippets: slow -->``: trainers, graph e
 others in ``make test``.
 """
 
+import contextlib
 import dataclasses
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import textwrap
 import pytest
 
 from doctools import DOCS_DIR, REPO_ROOT, doc_pages
-from doctools.commands import CommandError, parse_with_script, project_command
+from doctools.commands import CommandError, offline_reason, parse_with_script, project_command, runnable_argv
 from doctools.generate import (
     GenerateError,
     config_fields,
@@ -148,6 +150,66 @@ def test_commands_parse(page):
         except CommandError as err:
             problems.append(f"{where}: {err}")
     assert not problems, "\n".join(problems)
+
+
+WALKTHROUGH_FIRST = ("docs/guides/pretraining.md", "docs/guides/fine-tuning.md")  # they make what the others read
+
+
+@pytest.mark.slow
+def test_offline_commands_run(tmp_path):
+    """Every documented command that can run offline on a CPU runs, in the pages' order, in one scratch checkout
+    (the scripts linked in, ../shared beside it), training runs shortened to a few steps: the pretraining guide's
+    checkpoint is what the fine-tuning, evaluation, deploy and explorer pages then use. Each command that cannot
+    run here is listed with its reason (network, more processes, a server, a benchmark)."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("training", "decoderlab", "benchmarks", "experiments", "model_cards"):
+        (checkout / name).symlink_to(REPO_ROOT / name)
+    (tmp_path / "shared").symlink_to(REPO_ROOT.parent / "shared")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    ordered = [REPO_ROOT / p for p in WALKTHROUGH_FIRST] + [p for p in PAGES if page_id(p) not in WALKTHROUGH_FIRST]
+    ran, skipped = [], []
+    for page in ordered:
+        for where, command in project_commands(page):
+            with contextlib.chdir(checkout):
+                parsed = parse_with_script(command)
+            reason = offline_reason(command, parsed, checkout)
+            if reason is not None:
+                skipped.append(f"{where}: {reason}")
+                continue
+            run = subprocess.run(runnable_argv(command, sys.executable), cwd=checkout, env=env, capture_output=True,
+                                 text=True, timeout=900)  # fmt: skip
+            assert run.returncode == 0, f"{where}: {shlex.join(runnable_argv(command, 'python'))}\n{run.stderr[-3000:]}"
+            ran.append(where)
+    print("ran:", *ran, "not run here:", *skipped, sep="\n  ")
+    pages_ran = {where.split(":")[0] for where in ran}
+    assert {"docs/guides/pretraining.md", "docs/guides/fine-tuning.md", "docs/deploy/llama-cpp.md"} <= pages_ran, ran
+
+
+def test_offline_commands_are_told_from_the_others(tmp_path):
+    """The rule that picks the commands the slow test runs: a launcher, a benchmark, a server, the Hub and a
+    missing Hub-like path are each named as the reason; a local training command runs, shortened."""
+    (tmp_path / "out" / "ckpt").mkdir(parents=True)
+    cases = {
+        "accelerate launch training/finetune.py --config training/configs/finetune_shakespeare_chat.yaml": "accelerate",
+        "python -m benchmarks.rss": "benchmark",
+        "python -m decoderlab.explore out/ckpt": "web server",
+        "python -m decoderlab.push out/ckpt ORG/NAME": "Hub",
+        "python training/evaluate.py ORG/NAME --dataset_name karpathy/tiny_shakespeare": "network",
+        "python -m decoderlab.convert --to gguf out/ckpt model.gguf": None,
+    }
+    for line, expected in cases.items():
+        command = project_command(line)
+        with contextlib.chdir(REPO_ROOT):
+            parsed = parse_with_script(command)
+        reason = offline_reason(command, parsed, tmp_path)
+        assert (reason is None) if expected is None else (expected in reason), (line, reason)
+    pretrain = project_command("python training/pretrain.py --config training/configs/shakespeare_char.yaml")
+    with contextlib.chdir(REPO_ROOT):
+        assert "is not here" in offline_reason(pretrain, parse_with_script(pretrain), tmp_path)  # the Hub dataset
+    assert runnable_argv(pretrain, "python")[-6:] == ["--max_train_steps", "6", "--eval_steps", "3",
+                                                      "--checkpointing_steps", "3"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
