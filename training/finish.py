@@ -50,9 +50,8 @@ def best_model_facts(cfg: TrainConfig, state) -> dict:
     if cfg.load_best_model_at_end and state.best_global_step is not None:
         facts["saved_weights_step"] = state.best_global_step
         facts[f"best_{cfg.metric_for_best_model.removeprefix('eval_')}"] = state.best_metric
-        facts["best_chosen_by"] = (
-            f"{cfg.metric_for_best_model} every {cfg.eval_steps} steps on "
-            + ("every validation block" if cfg.max_eval_samples is None else f"the first {cfg.max_eval_samples} blocks")
+        facts["best_chosen_by"] = f"{cfg.metric_for_best_model} every {cfg.eval_steps} steps on " + (
+            "every validation block" if cfg.max_eval_samples is None else f"the first {cfg.max_eval_samples} blocks"
         )
     if stopped_early(cfg.early_stopping_patience, state):
         facts["early_stopping"] = (
