@@ -252,7 +252,9 @@ def windowed_val_loss(
         chunks.append((inputs[n_full * block_size :][None], targets[n_full * block_size :][None]))
     for x, y in chunks:
         logits = logits_fn(x)
-        total += F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1).to(logits.device), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1).to(logits.device), reduction="sum"
+        ).item()
         count += y.numel()
     return total / count
 
