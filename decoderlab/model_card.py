@@ -301,7 +301,9 @@ def plot_training_curve(records: list[dict], path: pathlib.Path):
         if steps:
             axes[0].plot(steps, values, label=key.replace("_", " "), **style)
     for record in saved[-1:]:
-        axes[0].plot(record["best_global_step"], record["eval_loss"], "*", ms=10, label="saved model (best step)")
+        axes[0].plot(
+            record["best_global_step"], record["eval_loss"], "*", ms=10, label="saved model (best step, every block)"
+        )
     axes[0].set(xlabel="step", ylabel="loss (nats/token)", title="Loss")
     if axes[0].lines:
         axes[0].legend()
