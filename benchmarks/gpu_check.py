@@ -1,4 +1,4 @@
-"""Everything a GPU user depends on, checked on one CUDA GPU in under 8 minutes: one table, one JSON file.
+"""Everything a GPU user depends on, checked on one CUDA GPU in under 9 minutes: one table, one JSON file.
 
     python -m benchmarks.gpu_check              # one CUDA GPU; writes benchmarks/results/gpu_check.json
     python -m benchmarks.gpu_check --dry_run    # CPU, tiny sizes, the same code path (CI runs it)
@@ -16,8 +16,12 @@ The checks, fastest first (each a row of the table: what, the figure, PASS / FAI
 5. bfloat16 training throughput and MFU of a GPT-2-small shape (12 x 768 x 12, block 1024) against
    ``LlamaForCausalLM``, eager and compiled (``benchmarks/gpu_mfu.py``'s measurement; MFU against the H200's
    dense bf16 specification, 989 TFLOP/s, ``--peak_tflops`` for another GPU). The goal is MFU >= 40%.
-6. 300 steps of the ``shakespeare_char_gpu`` recipe (``training/pretrain.py``, a subprocess as a user runs it):
-   the validation loss and the training tokens/s.
+6. The whole ``shakespeare_char_gpu`` command (``training/pretrain.py``, a subprocess as a user runs it, no step
+   limit): the best periodic validation loss and its step, the saved folder's validation loss (scored again by
+   ``training/evaluate.py``) and the whole command's wall time, beside ``benchmarks/reference_nanogpt.py``'s recipe at
+   nanoGPT's GPU settings (6 x 384, block 256, batch 64, dropout 0.2, 5000 iterations, compiled, bf16), also a
+   whole command, in the same run. The goal (issue 39): a saved model at validation loss <= 1.47 in no more time
+   than nanoGPT's command.
 7. ``generate`` tokens/s at batch 1 and 64 (greedy, 128 new tokens after a 128-token prompt, KV-cached, bf16).
 
 A check that fails makes the exit status 1. ``--dry_run`` runs every check on the CPU at tiny sizes, so what CI
@@ -33,6 +37,7 @@ import contextlib
 import json
 import math
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -50,9 +55,24 @@ from training.data import tiny_shakespeare
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
 MFU_GOAL = 0.40
+RECIPE_GOAL = 1.47  # the saved model's validation loss (nanoGPT's best on the H200: 1.463)
 # The model of checks 1-4: decoderlab's llama preset, small enough to compile in seconds
 CHECK_SIZE = Size(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=1024, block_size=128,
                   batch_size=4)  # fmt: skip
+# a dry run's recipe: a tiny model in float32 (bf16 is a GPU setting), traced but not compiled to code, evaluated
+# often enough to keep a best checkpoint and to load it at the end
+DRY_RECIPE_OVERRIDES = ("--model.hidden_size", "32", "--model.num_hidden_layers", "1", "--model.num_attention_heads",
+                        "2", "--per_device_train_batch_size", "2", "--block_size", "32", "--mixed_precision", "no",
+                        "--torch_compile_backend", "eager", "--eval_steps", "2", "--max_eval_samples", "8",
+                        "--checkpointing_steps", "3", "--logging_steps", "2")  # fmt: skip
+# nanoGPT's config/train_shakespeare_char.py on a GPU, through benchmarks/reference_nanogpt.py
+NANOGPT_GPU_ARGS = ("--device", "cuda", "--dtype", "bfloat16", "--compile_backend", "inductor", "--batch_size", "64",
+                    "--block_size", "256", "--n_layer", "6", "--n_head", "6", "--n_embd", "384", "--dropout", "0.2",
+                    "--max_iters", "5000", "--eval_interval", "250", "--eval_iters", "200", "--log_interval", "10",
+                    "--num_threads", "none")  # fmt: skip
+DRY_REFERENCE_ARGS = ("--compile_backend", "eager", "--batch_size", "2", "--block_size", "32", "--n_layer", "1",
+                      "--n_head", "2", "--n_embd", "32", "--dropout", "0.2", "--max_iters", "6", "--eval_interval",
+                      "2", "--eval_iters", "1", "--log_interval", "2", "--num_threads", "1")  # fmt: skip
 DRY_CHECK_SIZE = Size(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, block_size=16,
                       batch_size=2)  # fmt: skip
 
@@ -73,7 +93,9 @@ class Setup:
     check_size: Size
     prompt_length: int
     new_tokens: int
-    recipe_steps: int
+    recipe_steps: int | None  # None: the recipe's own (the whole command); a dry run's few steps
+    recipe_overrides: tuple[str, ...]  # flags after the recipe's (a dry run's tiny sizes)
+    reference_args: tuple[str, ...]  # benchmarks/reference_nanogpt.py's flags (nanoGPT's GPU settings on a GPU)
     compile_backend: str  # torch.compile's: "inductor", "eager" in a dry run
     backends: tuple[str, ...]  # the attention implementations compared with eager
     peak_tflops: float
@@ -236,30 +258,78 @@ def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
     return rows
 
 
-def recipe_run(setup: Setup) -> Row:
-    """``setup.recipe_steps`` steps of shakespeare_char_gpu through training/pretrain.py, in a subprocess."""
+def whole_command(command: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``command`` from the checkout's root as a user would; (its result, its wall time in seconds)."""
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    return result, time.perf_counter() - start
+
+
+def failure(check: str, result: subprocess.CompletedProcess) -> Row:
+    lines = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()
+    return Row(check, f"failed: {lines[-1]}"[:200], False)
+
+
+def recipe_run(setup: Setup) -> list[Row]:
+    """The whole shakespeare_char_gpu command through training/pretrain.py, its saved folder scored again by
+    training/evaluate.py, and benchmarks/reference_nanogpt.py's recipe at nanoGPT's GPU settings: subprocesses."""
+    check = "shakespeare_char_gpu recipe"
     output_dir = setup.output_dir / "shakespeare_char_gpu"
+    shutil.rmtree(output_dir, ignore_errors=True)  # a fresh run, never a resumed one
     command = [sys.executable, "-m", "training.pretrain",  # from REPO_ROOT: this checkout's scripts
                "--config", str(REPO_ROOT / "training" / "configs" / "shakespeare_char_gpu.yaml"),
-               "--dataset_name", setup.dataset_name, "--output_dir", str(output_dir),
-               "--max_train_steps", str(setup.recipe_steps), "--checkpointing_steps", "none", "--eval_steps", "none",
-               "--logging_steps", str(max(1, setup.recipe_steps // 6))]  # fmt: skip
-    if setup.dry_run:  # a tiny model in float32 (the recipe's bf16 is a GPU setting)
-        command += ["--model.hidden_size", "32", "--model.num_hidden_layers", "1", "--model.num_attention_heads", "2",
-                    "--per_device_train_batch_size", "2", "--block_size", "32", "--mixed_precision", "no"]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+               "--dataset_name", setup.dataset_name, "--output_dir", str(output_dir), *setup.recipe_overrides]  # fmt: skip
+    if setup.recipe_steps is not None:
+        command += ["--max_train_steps", str(setup.recipe_steps)]
+    result, seconds = whole_command(command)
     if result.returncode != 0:
-        return Row("shakespeare_char_gpu recipe", f"failed: {result.stderr.strip().splitlines()[-1]}"[:200], False)
+        return [failure(check, result)]
     records = read_metrics(output_dir / METRICS_NAME)
-    eval_loss = [r["eval_loss"] for r in records if "eval_loss" in r][-1]
+    periodic = [r for r in records[:-1] if "eval_loss" in r]  # the last record: the final evaluation of the folder
+    best = min(periodic, key=lambda r: r["eval_loss"])
+    final = records[-1]
+    trained = max(r["step"] for r in records)
     speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    tokens_per_s = sorted(speeds)[len(speeds) // 2]  # the median logging window: the first includes warm-up
-    vocab = json.loads((output_dir / "config.json").read_text())["vocab_size"]
-    # it learned something (a dry run's 3 steps, still in warm-up, need not)
-    passed = math.isfinite(eval_loss) and (setup.dry_run or eval_loss < math.log(vocab))
-    value = f"validation loss {eval_loss:.3f} after {setup.recipe_steps} steps, {tokens_per_s:,.0f} tokens/s"
-    return Row("shakespeare_char_gpu recipe", value, passed, details={"eval_loss": eval_loss,
-               "tokens_per_s": tokens_per_s, "steps": setup.recipe_steps})  # fmt: skip
+    tokens_per_s = sorted(speeds)[len(speeds) // 2]  # the median logging window
+    first_step_s = next((r["first_step_s"] for r in records if "first_step_s" in r), None)
+    scored = output_dir / "eval_results.json"
+    evaluation, _ = whole_command([sys.executable, "-m", "training.evaluate", str(output_dir), "--dataset_name",
+                                   setup.dataset_name, "--split", "validation", "--batch_size", "64",
+                                   "--output_file", str(scored), "--model_card", "false"])  # fmt: skip
+    if evaluation.returncode != 0:
+        return [failure(check + ": evaluate.py on the saved folder", evaluation)]
+    saved_loss = json.loads(scored.read_text())["eval_loss"]
+
+    reference_check = "nanoGPT reference recipe (whole command)"
+    reference_json = setup.output_dir / "reference_nanogpt.json"
+    reference_command = [sys.executable, "-m", "benchmarks.reference_nanogpt", *setup.reference_args, "--quiet",
+                         "--json_out", str(reference_json)]  # fmt: skip
+    reference, reference_seconds = whole_command(reference_command)
+    if reference.returncode != 0:
+        reference_row = failure(reference_check, reference)
+        reference_seconds = None
+    else:
+        nano = json.loads(reference_json.read_text())
+        value = (f"best validation {nano['best_val_loss']:.3f} at step {nano['best_iter']}, last "
+                 f"{nano['val_loss']:.3f} at step {nano['steps'] - 1}, whole command {reference_seconds:.0f} s")  # fmt: skip
+        reference_row = Row(reference_check, value, None, details={
+            "best_val_loss": nano["best_val_loss"], "best_iter": nano["best_iter"], "last_val_loss": nano["val_loss"],
+            "whole_command_s": reference_seconds, "train_loop_s": nano["wall_time_s"],
+            "tokens_per_s": nano["tokens_per_s"], "arguments": list(setup.reference_args)})  # fmt: skip
+
+    finite = math.isfinite(saved_loss) and math.isfinite(best["eval_loss"])
+    if setup.dry_run:  # the code path only: a few steps of a tiny model learn nothing worth a goal
+        passed = finite
+    else:
+        passed = finite and saved_loss <= RECIPE_GOAL and reference_seconds is not None and seconds <= reference_seconds
+    value = (f"best validation {best['eval_loss']:.3f} at step {best['step']}, saved folder {saved_loss:.3f} "
+             f"(step {final.get('best_global_step', trained)}), {trained} steps, whole command {seconds:.0f} s")  # fmt: skip
+    details = {"best_eval_loss": best["eval_loss"], "best_step": best["step"], "saved_eval_loss": saved_loss,
+               "saved_eval_loss_in_run": final["eval_loss"], "saved_step": final.get("best_global_step", trained),
+               "steps": trained, "whole_command_s": seconds, "first_step_s": first_step_s,
+               "tokens_per_s": tokens_per_s, "goal_eval_loss": RECIPE_GOAL,
+               "eval_curve": {r["step"]: r["eval_loss"] for r in periodic}}  # fmt: skip
+    return [Row(check, value, passed, details=details), reference_row]
 
 
 def generation_speed(setup: Setup) -> list[Row]:
@@ -317,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda"
     setup = Setup(device=device, dry_run=args.dry_run, check_size=DRY_CHECK_SIZE if args.dry_run else CHECK_SIZE,
                   prompt_length=8 if args.dry_run else 128, new_tokens=8 if args.dry_run else 128,
-                  recipe_steps=3 if args.dry_run else 300, peak_tflops=args.peak_tflops,
+                  recipe_steps=6 if args.dry_run else None,
+                  recipe_overrides=DRY_RECIPE_OVERRIDES if args.dry_run else (),
+                  reference_args=DRY_REFERENCE_ARGS if args.dry_run else NANOGPT_GPU_ARGS,
+                  peak_tflops=args.peak_tflops,
                   compile_backend="eager" if args.dry_run else "inductor",
                   backends=("sdpa",) if args.dry_run else ("sdpa", "flex_attention"),
                   dataset_name=args.dataset_name, output_dir=args.output_dir)  # fmt: skip

@@ -36,6 +36,7 @@ speed benchmark times for "nanoGPT's throughput". With ``--nanogpt_dir PATH`` (o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -251,7 +252,9 @@ def windowed_val_loss(
         chunks.append((inputs[n_full * block_size :][None], targets[n_full * block_size :][None]))
     for x, y in chunks:
         logits = logits_fn(x)
-        total += F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1).to(logits.device), reduction="sum"
+        ).item()
         count += y.numel()
     return total / count
 
@@ -300,12 +303,23 @@ def make_optimizer(model: nn.Module, recipe: NanoGPTRecipe, **adamw_kwargs) -> t
 
 
 @torch.no_grad()
-def estimate_loss(model: nn.Module, data: CharData, block_size: int, recipe: NanoGPTRecipe) -> dict[str, float]:
-    """Mean loss over ``eval_iters`` random batches of each split, in eval mode."""
+def estimate_loss(
+    model: nn.Module,
+    data: CharData,
+    block_size: int,
+    recipe: NanoGPTRecipe,
+    to_device: Callable = lambda batch: batch,
+    autocast=contextlib.nullcontext,
+) -> dict[str, float]:
+    """Mean loss over ``eval_iters`` random batches of each split, in eval mode (batches through ``to_device``,
+    forward passes under ``autocast()``)."""
     model.eval()
     out = {}
     for split, ids in (("train", data.train), ("val", data.val)):
-        losses = [model(*get_batch(ids, block_size, recipe.batch_size))[1].item() for _ in range(recipe.eval_iters)]
+        losses = []
+        for _ in range(recipe.eval_iters):
+            with autocast():
+                losses.append(model(*to_device(get_batch(ids, block_size, recipe.batch_size)))[1].item())
         out[split] = sum(losses) / len(losses)
     model.train()
     return out
@@ -323,8 +337,20 @@ def run_nanogpt_recipe(
     data_path: str | Path | None = None,
     nanogpt_dir: str | Path | None = None,
     log: Callable[[str], None] | None = None,
+    batch_size: int = 12,
+    device: str = "cpu",
+    dtype: str = "float32",
+    compile_backend: str | None = None,
+    log_interval: int = 1,
 ) -> dict:
     """Train nanoGPT's shakespeare_char CPU recipe and report its wall time and losses.
+
+    The defaults are the CPU recipe; nanoGPT's GPU recipe (``config/train_shakespeare_char.py`` as written) is
+    ``max_iters=5000, eval_iters=200, batch_size=64, log_interval=10, device="cuda", dtype="bfloat16",
+    compile_backend="inductor"`` with ``NanoGPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384,
+    dropout=0.2)``: batches pinned and copied without blocking, the forward passes under autocast to ``dtype``
+    (``float32``: none), the model ``torch.compile``d with ``compile_backend`` (None: eager), fused AdamW on CUDA,
+    and the loss read (a synchronisation) every ``log_interval`` steps, as nanoGPT's ``train.py`` does.
 
     ``lr_decay_iters`` defaults to ``max_iters`` (the documented command sets both to 2000).
     ``num_threads`` sets torch's intra-op threads for the run (restored afterwards); None leaves
@@ -338,8 +364,9 @@ def run_nanogpt_recipe(
         val_loss_every_window: loss over the whole validation split in consecutive non-overlapping
             block_size windows (see ``windowed_val_loss``), computed after training, not timed in wall_time_s;
         window_eval_s: the time that computation took (not part of nanoGPT's own command);
-        history: every periodic estimate; tokens_per_s: training tokens / train_time_s; plus the
-        recipe, the model config, the parameter count, threads and torch version.
+        history: every periodic estimate; best_val_loss and best_iter: the lowest periodic validation estimate
+        and its step (the checkpoint nanoGPT's Shakespeare config keeps); tokens_per_s: training tokens /
+        train_time_s; plus the recipe, the model config, the parameter count, threads and torch version.
     """
     recipe = NanoGPTRecipe(
         max_iters=max_iters,
@@ -347,6 +374,7 @@ def run_nanogpt_recipe(
         eval_interval=eval_interval,
         eval_iters=eval_iters,
         seed=seed,
+        batch_size=batch_size,
     )
     if recipe.max_iters < 0 or recipe.eval_interval < 1 or recipe.eval_iters < 1:
         raise ValueError(
@@ -359,10 +387,20 @@ def run_nanogpt_recipe(
         torch.set_num_threads(num_threads)
     try:
         torch.manual_seed(recipe.seed)
-        model = build_model(config, nanogpt_dir)
-        optimizer = make_optimizer(model, recipe)
+        model = build_model(config, nanogpt_dir).to(device)
+        optimizer = make_optimizer(model, recipe, **({"fused": True} if device == "cuda" else {}))
+        trained = model if compile_backend is None else torch.compile(model, backend=compile_backend)
+        autocast = (
+            contextlib.nullcontext
+            if dtype == "float32"
+            else lambda: torch.autocast(device_type=device, dtype=getattr(torch, dtype))
+        )
+        if device == "cpu":
+            to_device = lambda batch: batch
+        else:  # nanoGPT's get_batch: pinned, copied without waiting
+            to_device = lambda batch: tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
         history, eval_time = [], 0.0
-        x, y = get_batch(data.train, config.block_size, recipe.batch_size)
+        x, y = to_device(get_batch(data.train, config.block_size, recipe.batch_size))
         start = time.perf_counter()
         for it in range(recipe.max_iters + 1):  # nanoGPT's loop runs steps 0 .. max_iters inclusive
             lr = learning_rate_at(it, recipe)
@@ -370,23 +408,32 @@ def run_nanogpt_recipe(
                 group["lr"] = lr
             if it % recipe.eval_interval == 0:
                 eval_start = time.perf_counter()
-                losses = estimate_loss(model, data, config.block_size, recipe)
+                losses = estimate_loss(trained, data, config.block_size, recipe, to_device, autocast)
                 eval_time += time.perf_counter() - eval_start
                 history.append({"iter": it, **losses})
                 if log is not None:
                     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            _, loss = model(x, y)
-            x, y = get_batch(data.train, config.block_size, recipe.batch_size)  # next batch while loss is live
+            with autocast():
+                _, loss = trained(x, y)
+            x, y = to_device(get_batch(data.train, config.block_size, recipe.batch_size))  # next batch, loss live
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_value = loss.item()  # --log_interval=1: nanoGPT reads the loss every step
-            if log is not None:
-                log(f"iter {it}: loss {loss_value:.4f}")
+            if it % log_interval == 0:
+                loss_value = loss.item()  # --log_interval=1 (the CPU recipe): nanoGPT reads the loss every step
+                if log is not None:
+                    log(f"iter {it}: loss {loss_value:.4f}")
+        if device == "cuda":
+            torch.cuda.synchronize()
         wall_time = time.perf_counter() - start
         model.eval()
-        val_every_window = windowed_val_loss(lambda ids: model(ids, ids)[0], data.val, config.block_size)
+
+        def window_logits(ids: torch.Tensor) -> torch.Tensor:
+            with autocast():
+                return model(ids.to(device), ids.to(device))[0]
+
+        val_every_window = windowed_val_loss(window_logits, data.val, config.block_size)
         window_eval_time = time.perf_counter() - start - wall_time
     finally:
         torch.set_num_threads(previous_threads)
@@ -404,6 +451,8 @@ def run_nanogpt_recipe(
         "train_loss": history[-1]["train"],
         "val_loss_every_window": val_every_window,
         "history": history,
+        "best_val_loss": min(h["val"] for h in history),
+        "best_iter": min(history, key=lambda h: h["val"])["iter"],
         "recipe": asdict(recipe),
         "model_config": asdict(config),
         "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -412,17 +461,33 @@ def run_nanogpt_recipe(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max_iters", type=int, default=2000)
     parser.add_argument("--eval_interval", type=int, default=250)
     parser.add_argument("--eval_iters", type=int, default=20)
-    parser.add_argument("--num_threads", type=int, default=2)
+    parser.add_argument("--num_threads", type=lambda v: None if v.lower() == "none" else int(v), default=2,
+                        help="torch's intra-op threads; none leaves them")  # fmt: skip
     parser.add_argument("--data_path", type=Path, default=None, help="Tiny Shakespeare input.txt")
     parser.add_argument("--nanogpt_dir", type=Path, default=None, help="time a real nanoGPT checkout's model.py")
     parser.add_argument("--json_out", type=Path, default=None, help="also write the result here")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
-    args = parser.parse_args()
+    # nanoGPT's GPU recipe: --batch_size 64 --block_size 256 --n_layer 6 --n_head 6 --n_embd 384 --dropout 0.2
+    # --max_iters 5000 --eval_iters 200 --log_interval 10 --device cuda --dtype bfloat16 --compile_backend inductor
+    defaults = NanoGPTConfig()
+    parser.add_argument("--batch_size", type=int, default=12)
+    parser.add_argument("--block_size", type=int, default=defaults.block_size)
+    parser.add_argument("--n_layer", type=int, default=defaults.n_layer)
+    parser.add_argument("--n_head", type=int, default=defaults.n_head)
+    parser.add_argument("--n_embd", type=int, default=defaults.n_embd)
+    parser.add_argument("--dropout", type=float, default=defaults.dropout)
+    parser.add_argument("--log_interval", type=int, default=1, help="read the loss every N steps")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="autocast")
+    parser.add_argument("--compile_backend", default=None, help="torch.compile backend (default: eager, none)")
+    args = parser.parse_args(argv)
+    sizes = dict(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                 dropout=args.dropout)  # fmt: skip
     result = run_nanogpt_recipe(
         args.max_iters,
         eval_interval=args.eval_interval,
@@ -431,6 +496,12 @@ def main() -> None:
         data_path=args.data_path,
         nanogpt_dir=args.nanogpt_dir,
         log=None if args.quiet else print,
+        batch_size=args.batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        compile_backend=args.compile_backend,
+        log_interval=args.log_interval,
+        model_config=NanoGPTConfig(vocab_size=load_char_data(args.data_path).vocab_size, **sizes),
     )
     print(
         f"{result['implementation']}: {result['steps']} steps in {result['wall_time_s']:.1f} s "

@@ -81,6 +81,11 @@ RECIPE_LABELS = {
     "wall_time_s": "Wall time",
     "final_train_loss": "Final train loss",
     "final_eval_loss": "Final eval loss",
+    "saved_weights_step": "Saved weights: the best evaluation's step",
+    "best_loss": "Best periodic eval loss",
+    "best_perplexity": "Best periodic eval perplexity",
+    "best_chosen_by": "Best chosen by",
+    "early_stopping": "Early stopping",
 }
 
 # eval_results keys -> (model-index metric type, label); other numeric keys keep their own name
@@ -283,6 +288,9 @@ def plot_training_curve(records: list[dict], path: pathlib.Path):
             "install it with `pip install 'decoderlab[train]'`."
         )
         return None
+    # a final evaluation of the best step's weights (load_best_model_at_end) is drawn at that step, as a point
+    saved = [r for r in records if r.get("best_global_step") is not None and r.get("eval_loss") is not None]
+    records = [r for r in records if r.get("best_global_step") is None]
     logged = lambda key: [r for r in records if r.get(key) is not None]
     series = lambda key: ([r["step"] for r in logged(key)], [r[key] for r in logged(key)])
     has_lr = bool(logged("lr"))
@@ -292,6 +300,10 @@ def plot_training_curve(records: list[dict], path: pathlib.Path):
         steps, values = series(key)
         if steps:
             axes[0].plot(steps, values, label=key.replace("_", " "), **style)
+    for record in saved[-1:]:
+        axes[0].plot(
+            record["best_global_step"], record["eval_loss"], "*", ms=10, label="saved model (best step, every block)"
+        )
     axes[0].set(xlabel="step", ylabel="loss (nats/token)", title="Loss")
     if axes[0].lines:
         axes[0].legend()

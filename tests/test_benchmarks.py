@@ -195,7 +195,10 @@ def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
         "train llama-eager (bf16)",
     ):
         assert rows[check]["details"]["tokens_per_s"] > 0, check
-    assert math.isfinite(rows["shakespeare_char_gpu recipe"]["details"]["eval_loss"])
+    recipe = rows["shakespeare_char_gpu recipe"]["details"]  # the whole command, its folder scored by evaluate.py
+    assert math.isfinite(recipe["saved_eval_loss"])
+    assert recipe["saved_eval_loss"] == pytest.approx(recipe["saved_eval_loss_in_run"], rel=1e-5)
+    assert math.isfinite(rows["nanoGPT reference recipe (whole command)"]["details"]["best_val_loss"])
     for check in rows:
         assert any(line.startswith(check) for line in stdout.splitlines()), check  # the table's row
 

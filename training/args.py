@@ -36,6 +36,10 @@ DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
 NONE_STRINGS = ("none", "null", "~")
 TRUE_STRINGS = ("true", "yes", "1", "on")
 FALSE_STRINGS = ("false", "no", "0", "off")
+# metric_for_best_model: the names accepted (Trainer adds "eval_" to a name without it) -> the key of the
+# evaluation's record (training.loop.evaluate)
+BEST_MODEL_METRICS = {"eval_loss": "eval_loss", "loss": "eval_loss", "perplexity": "perplexity",
+                      "eval_perplexity": "perplexity"}  # fmt: skip
 ITEM_NAMES = {int: "integer", float: "number", str: "string"}  # the items of a tuple field, as the help names them
 
 
@@ -124,6 +128,9 @@ class TrainConfig(Config):
     num_train_epochs: int = option(1, "epochs when max_train_steps is none")
     mixed_precision: MIXED_PRECISION = option("no", "autocast dtype: no, bf16 (GPUs and recent CPUs) or fp16 (GPUs)")
     torch_compile: bool = option(False, "compile the model with torch.compile")
+    torch_compile_backend: str | None = option(
+        None, "torch.compile backend for torch_compile (none: inductor; eager or aot_eager to debug)"
+    )
     fsdp: bool = option(
         False, "shard weights, gradients and optimizer state over the processes (torch FSDP2; torchrun on CPUs)"
     )
@@ -133,6 +140,16 @@ class TrainConfig(Config):
     eval_steps: int | None = option(500, "evaluate every N steps (and at the end); none: only at the end")
     max_eval_samples: int | None = option(None, "blocks used by the periodic evaluations; the final one uses all")
     logging_steps: int = option(50, "log the mean training loss every N steps")
+    # --- the best model (transformers' TrainingArguments and EarlyStoppingCallback names)
+    load_best_model_at_end: bool = option(
+        False, "save the weights of the best periodic evaluation (metric_for_best_model) instead of the last step's"
+    )
+    metric_for_best_model: str = option("eval_loss", "what picks the best evaluation: eval_loss (or loss), perplexity")
+    greater_is_better: bool | None = option(None, "whether a larger metric is better; none: false (both are losses)")
+    early_stopping_patience: int | None = option(
+        None, "stop after N periodic evaluations without an improvement above early_stopping_threshold; none: off"
+    )
+    early_stopping_threshold: float = option(0.0, "how much the metric must improve to reset the patience")
     # --- checkpoints
     output_dir: str = option("out/shakespeare_char", "the final Hugging Face checkpoint and the step_N checkpoints")
     checkpointing_steps: int | None = option(500, "save a resumable checkpoint every N steps (and at the end)")
@@ -192,9 +209,53 @@ class TrainConfig(Config):
             raise ValueError(
                 "streaming=True needs --max_train_steps: a streamed dataset has no length to count epochs."
             )
+        self.check_best_model()
+        if self.torch_compile_backend is not None:
+            self.check_compile_backend()
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("push_to_hub=True needs --hub_model_id ORG/NAME, the Hub repository to upload to.")
         check_model_fields(self.model)
+
+    def check_compile_backend(self) -> None:
+        if not self.torch_compile:
+            raise ValueError(
+                f"torch_compile_backend={self.torch_compile_backend!r} is set but torch_compile is false: add "
+                "--torch_compile true, or drop the backend."
+            )
+        import torch._dynamo  # only here: reading a configuration does not import the compiler otherwise
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if self.torch_compile_backend not in backends:
+            raise ValueError(
+                f"torch_compile_backend={self.torch_compile_backend!r} is not a torch.compile backend here; "
+                f"choose one of {backends} (none: inductor)."
+            )
+
+    def check_best_model(self) -> None:
+        """The best-model fields: a metric the evaluation logs (its canonical key replaces an alias), evaluation
+        on, a positive patience and a threshold that is not negative; greater_is_better derived when unset."""
+        if self.metric_for_best_model not in BEST_MODEL_METRICS:
+            raise ValueError(
+                f"metric_for_best_model={self.metric_for_best_model!r} is never logged: the evaluation logs "
+                f"eval_loss (alias loss) and perplexity (alias eval_perplexity). Use one of {sorted(BEST_MODEL_METRICS)}."
+            )
+        self.metric_for_best_model = BEST_MODEL_METRICS[self.metric_for_best_model]
+        if self.greater_is_better is None:
+            self.greater_is_better = False  # both metrics are losses (Trainer's rule, `not name.endswith("loss")`,
+            # would call perplexity greater-is-better)
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise ValueError(
+                f"early_stopping_patience must be a positive integer (evaluations), or none for no early stopping, "
+                f"got {self.early_stopping_patience}."
+            )
+        if self.early_stopping_threshold < 0:
+            raise ValueError(f"early_stopping_threshold cannot be negative, got {self.early_stopping_threshold}.")
+        wanted = [name for name in ("load_best_model_at_end", "early_stopping_patience") if getattr(self, name)]
+        if wanted and self.eval_steps is None:
+            raise ValueError(
+                f"{' and '.join(wanted)} need periodic evaluations to compare, but eval_steps is none. "
+                "Set --eval_steps N (e.g. 250), or turn them off."
+            )
 
     def check_data(self) -> None:
         if self.prepared_data is None:  # prepared shards are checked when they are opened

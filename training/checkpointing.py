@@ -64,6 +64,11 @@ class TrainState:
     step: int = 0  # optimizer steps done
     tokens: int = 0  # training tokens seen by all processes together
     elapsed_s: float = 0.0  # wall time spent training so far, summed over resumed runs
+    # the best periodic evaluation so far (metric_for_best_model; TrainerState's names) and the evaluations since
+    # one improved on the best by more than early_stopping_threshold (EarlyStoppingCallback's counter)
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    early_stopping_patience_counter: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,8 +98,10 @@ def save_checkpoint(
     total_limit: int | None = None,
     sharded: tuple | None = None,
     data_state: dict | None = None,
+    keep_step: int | None = None,
 ) -> pathlib.Path:
-    """Write ``output_dir/step_N`` atomically (see the module docstring) and keep the newest ``total_limit``.
+    """Write ``output_dir/step_N`` atomically (see the module docstring) and keep the newest ``total_limit``, and
+    ``step_{keep_step}`` besides (the best model's checkpoint under ``load_best_model_at_end``).
     ``sharded``: the (model, optimizer) of an FSDP2 run, whose shards every process writes. ``data_state``: this
     process's position in its data (``data_state_R.json``, one per process R)."""
     output_dir = pathlib.Path(output_dir)
@@ -119,7 +126,7 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_tree(final)
-        rotate_checkpoints(output_dir, total_limit)
+        rotate_checkpoints(output_dir, total_limit, keep_step)
         logger.info(f"Saved checkpoint {final}")
     accelerator.wait_for_everyone()
     return final
@@ -134,10 +141,13 @@ def list_checkpoints(output_dir) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT_PATTERN.fullmatch(p.name).group(1)))
 
 
-def rotate_checkpoints(output_dir, total_limit: int | None) -> None:
+def rotate_checkpoints(output_dir, total_limit: int | None, keep_step: int | None = None) -> None:
+    """Delete all but the newest ``total_limit`` checkpoints, and never ``step_{keep_step}`` (as Trainer keeps its
+    ``best_model_checkpoint``)."""
     if total_limit is None:
         return
-    for old in list_checkpoints(output_dir)[:-total_limit]:
+    protected = pathlib.Path(output_dir) / f"step_{keep_step}"
+    for old in [path for path in list_checkpoints(output_dir)[:-total_limit] if path != protected]:
         shutil.rmtree(old)
         logger.info(f"Deleted old checkpoint {old}")
 

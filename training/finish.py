@@ -17,6 +17,7 @@ from decoderlab.model_card import write_model_card
 from decoderlab.push import push_to_hub
 
 from .args import TrainConfig
+from .best_model import stopped_early
 from .checkpointing import hardware_description, run_info, save_final_folder
 from .loop import TrainResult
 
@@ -36,9 +37,28 @@ def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes:
         "wall_time_s": round(state.elapsed_s, 1),
         "final_train_loss": result.train_loss,
         "final_eval_loss": result.eval_metrics["eval_loss"],
+        **best_model_facts(cfg, state),
         "tokenizer": cfg.tokenizer_type if cfg.tokenizer_type != "pretrained" else cfg.tokenizer_name,
         "prompt": cfg.sample_prompt,
     }
+
+
+def best_model_facts(cfg: TrainConfig, state) -> dict:
+    """Which step's weights the folder holds under ``load_best_model_at_end``, the periodic evaluation that chose
+    them, and where early stopping ended the run: for the card and ``run_info.json`` (nothing when both are off)."""
+    facts = {}
+    if cfg.load_best_model_at_end and state.best_global_step is not None:
+        facts["saved_weights_step"] = state.best_global_step
+        facts[f"best_{cfg.metric_for_best_model.removeprefix('eval_')}"] = state.best_metric
+        facts["best_chosen_by"] = f"{cfg.metric_for_best_model} every {cfg.eval_steps} steps on " + (
+            "every validation block" if cfg.max_eval_samples is None else f"the first {cfg.max_eval_samples} blocks"
+        )
+    if stopped_early(cfg.early_stopping_patience, state):
+        facts["early_stopping"] = (
+            f"stopped at step {state.step}: {cfg.early_stopping_patience} evaluations without improvement "
+            f"> {cfg.early_stopping_threshold}"
+        )
+    return facts
 
 
 def evaluation_context(cfg: TrainConfig) -> dict:
@@ -78,13 +98,18 @@ def finish_run(
     if result.already_finished:
         if accelerator.is_main_process:
             limit = "" if cfg.max_train_steps is None else f" (max_train_steps={cfg.max_train_steps})"
+            raise_what = "--max_train_steps"
+            if stopped_early(cfg.early_stopping_patience, result.state):
+                limit = f" (stopped early: early_stopping_patience={cfg.early_stopping_patience})"
+                raise_what = "--early_stopping_patience"
             print(
                 f"{cfg.output_dir} already finished at step {result.state.step}{limit}: nothing to do, the folder "
-                "is left as it was. Raise --max_train_steps to train on from there."
+                f"is left as it was. Raise {raise_what} to train on from there."
             )
         return
     model = result.model if final_model is None else final_model(result.model)
-    save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), run_info(accelerator))
+    info = {**run_info(accelerator), **best_model_facts(cfg, result.state)}
+    save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
     accelerator.end_training()
     if not accelerator.is_main_process:
         return
@@ -98,6 +123,8 @@ def finish_run(
         **card,
     )
     how = f", {recipe['method']}" if "method" in recipe else ""
+    if "saved_weights_step" in recipe:
+        how += f"; saved the best step's weights, step {recipe['saved_weights_step']}"
     print(
         f"{verb} {state.step} steps ({state.tokens:,} tokens{how}) in {state.elapsed_s:.1f} s: train loss "
         f"{result.train_loss:.4f}, validation loss {eval_loss:.4f} (perplexity {math.exp(eval_loss):.2f}) over the "

@@ -36,6 +36,7 @@ from decoderlab.model_card import METRICS_NAME, read_metrics  # the file's one r
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
+from .best_model import BestModel, best_checkpoint, stopped_early
 from .checkpointing import (
     TrainState,
     list_checkpoints,
@@ -401,12 +402,14 @@ def train(
     max_steps = num_training_steps(cfg, batches)
     if resume_from is not None and (done := read_state(resume_from)).step >= max_steps:
         return TrainResult(model, done, train_loss=None, already_finished=True)
+    if resume_from is not None and stopped_early(cfg.early_stopping_patience, done):  # finished too: left as it was
+        return TrainResult(model, done, train_loss=None, already_finished=True)
     if cfg.fsdp:  # torch's FSDP2 (training/sharding.py): the optimizer is made over the sharded parameters
         model = shard_model(model, accelerator)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, max_steps)
     if cfg.torch_compile:
-        model.compile()
+        model.compile(backend=cfg.torch_compile_backend or "inductor")
     if cfg.fsdp:
         optimizer = step_only_when_synced(optimizer)
     else:
@@ -418,6 +421,9 @@ def train(
     sharded = (model, optimizer) if cfg.fsdp else None  # saved and restored by every process, apart from Accelerate
     state = load_checkpoint(accelerator, resume_from, sharded=sharded) if resume_from is not None else TrainState()
     metrics = MetricsLog(cfg.output_dir, accelerator, cfg.with_tracking, resume_step=state.step)
+    best = BestModel(cfg)
+    if cfg.load_best_model_at_end and state.best_global_step is not None:
+        best_checkpoint(cfg.output_dir, state)  # a resumed run's best checkpoint must still be there, before any step
     # batches with a position of their own (training.data: state_dict / load_state_dict) save and restore it
     saves_position = hasattr(batches, "state_dict")
     if saves_position and resume_from is not None:
@@ -448,6 +454,10 @@ def train(
         run_start, elapsed_before = time.perf_counter(), state.elapsed_s
         elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
         segment_start = time.perf_counter()
+        # the first step of this run (compilation, warm-up) is timed apart: its seconds and its tokens on every process
+        first_step: tuple[float, int] | None = None
+        first_step_logged = False
+        stop = False  # early stopping
 
         # A step's loss is the mean over every target of its micro-batches on every process (as transformers'
         # Trainer does): each micro-batch's loss is its summed loss over that count (`num_items_in_batch`), so
@@ -476,10 +486,16 @@ def train(
             state.step += 1
             window_steps += 1
             bar.update(1)
+            if first_step is None:
+                if accelerator.device.type != "cpu":
+                    torch.accelerator.synchronize()  # once a run: the first step's device work belongs to its time
+                tokens = accelerator.reduce(torch.tensor(new_tokens, device=accelerator.device), reduction="sum")
+                first_step = (time.perf_counter() - segment_start, int(tokens))
 
             last = state.step == max_steps
             log_due = state.step % cfg.logging_steps == 0 or last
             eval_due = cfg.eval_steps is not None and state.step % cfg.eval_steps == 0 and not last
+            eval_due = eval_due or (last and cfg.load_best_model_at_end)  # the last weights compete for the best
             checkpoint_due = cfg.checkpointing_steps is not None and (state.step % cfg.checkpointing_steps == 0 or last)
             if not (log_due or eval_due or checkpoint_due):
                 continue
@@ -490,7 +506,12 @@ def train(
                 train_loss = accelerator.reduce(window_loss, reduction="sum").item() / window_steps  # mean per step
                 if not math.isfinite(train_loss):
                     raise non_finite_error(train_loss, state.step, cfg, metrics.records)
-                tokens_per_s = round(window_tokens / max(window_time, 1e-9))
+                timed_tokens, timed_time, first = window_tokens, window_time, {}
+                if not first_step_logged:  # the steady state's speed leaves the first step out (unless it is all)
+                    first_step_logged, first = True, {"first_step_s": round(first_step[0], 4)}
+                    if window_steps > 1:
+                        timed_tokens, timed_time = window_tokens - first_step[1], window_time - first_step[0]
+                tokens_per_s = round(timed_tokens / max(timed_time, 1e-9))
                 metrics.log(
                     {
                         "step": state.step,
@@ -502,6 +523,7 @@ def train(
                         # this process's wait for its batches since the last record: data is the bottleneck when it
                         # approaches the window's training time
                         "data_wait_s": round(micro_batches.waited_s - waited_before, 4),
+                        **first,
                     }
                 )
                 waited_before = micro_batches.waited_s
@@ -511,6 +533,14 @@ def train(
             if eval_due:
                 result = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator, cfg.max_eval_samples)
                 metrics.log({"step": state.step, "tokens": state.tokens, **result, "elapsed_s": elapsed()})
+                if best.enabled:
+                    improved = best.update(state, result)
+                    # a new best is kept as a checkpoint (the last step's weights are at hand anyway)
+                    checkpoint_due = checkpoint_due or (improved and best.keep_checkpoint and not last)
+                    stop = best.should_stop(state) and not last
+                    # the run ends here: its state stays resumable (unless its evaluation went bad)
+                    finite = math.isfinite(result[best.metric])
+                    checkpoint_due = checkpoint_due or (stop and cfg.checkpointing_steps is not None and finite)
                 bar.set_postfix(
                     loss=f"{train_loss:.4f}" if train_loss is not None else "-", eval=f"{result['eval_loss']:.4f}"
                 )
@@ -525,13 +555,26 @@ def train(
                     total_limit=cfg.checkpoints_total_limit,
                     sharded=sharded,
                     data_state=data_state,
+                    keep_step=state.best_global_step if best.keep_checkpoint else None,
                 )
             segment_start = time.perf_counter()
+            if stop:
+                logger.info(
+                    f"Early stopping at step {state.step}: {cfg.early_stopping_patience} evaluations without "
+                    f"improving {best.metric} by more than {cfg.early_stopping_threshold} on the best, "
+                    f"{state.best_metric} at step {state.best_global_step}."
+                )
+                break
         bar.close()
         state.elapsed_s = elapsed()
 
+        saved = {}  # the final evaluation's record: which step's weights it scored, when not the last step's
+        if cfg.load_best_model_at_end and state.best_global_step is not None:
+            if state.best_global_step != state.step:
+                load_checkpoint(accelerator, best_checkpoint(cfg.output_dir, state), sharded=sharded)
+            saved = {"best_global_step": state.best_global_step}
         final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
-        metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed()})
+        metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed(), **saved})
         return TrainResult(model, state, train_loss, final, history=metrics.records)
 
 
