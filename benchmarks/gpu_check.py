@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry_run", action="store_true", help="CPU, tiny sizes: the same code path, in CI")
     parser.add_argument("--json_out", type=pathlib.Path, default=None,
-                        help="where the JSON goes (default benchmarks/results/gpu_check-GPU.json; dry run: out/)")  # fmt: skip
+                        help="where the JSON goes, a file or a folder (default benchmarks/results/gpu_check-GPU.json; "
+                        "dry run: out/)")  # fmt: skip
     parser.add_argument("--output_dir", type=pathlib.Path, default=REPO_ROOT / "out" / "gpu_check")
     parser.add_argument("--dataset_name", default=tiny_shakespeare(), help="Tiny Shakespeare: local copy or Hub id")
     parser.add_argument("--peak_tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense bf16 peak")
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                   dataset_name=args.dataset_name, output_dir=args.output_dir)  # fmt: skip
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run: tiny sizes, figures mean nothing)"
     json_out = args.json_out or (args.output_dir / "gpu_check-dry-run.json" if args.dry_run else results_path(name))
+    if json_out.is_dir():  # a folder: the file named as in benchmarks/results
+        json_out = json_out / results_path(name).name
     print(f"device: {name}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
 
     start = time.perf_counter()
