@@ -432,14 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     names = args.only or list(CHECKS)
     budget_s = args.budget_s if args.budget_s is not None else float("inf") if args.dry_run else BUDGET_S
-    planned = sum(CHECKS[name][1] for name in names)
+    planned = sum(CHECKS[check][1] for check in names)
     print(f"checks: {', '.join(names)} (about {planned:.0f} s on an H200; budget {budget_s:.0f} s)", flush=True)
-    for name in names:
-        rows_of, estimate_s = CHECKS[name]
+    for check in names:
+        rows_of, estimate_s = CHECKS[check]
         elapsed = time.perf_counter() - start
         if elapsed + estimate_s > budget_s:
-            rows.append(Row(name, f"skipped: {elapsed:.0f} s + about {estimate_s:.0f} s is past the "
-                                  f"{budget_s:.0f} s budget (--only {name} runs it)", None))  # fmt: skip
+            rows.append(Row(check, f"skipped: {elapsed:.0f} s + about {estimate_s:.0f} s is past the "
+                                   f"{budget_s:.0f} s budget (--only {check} runs it)", None))  # fmt: skip
             print(f"  {rows[-1].check}: {rows[-1].value}", flush=True)
             continue
         torch.manual_seed(0)

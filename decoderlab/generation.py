@@ -35,27 +35,49 @@ def why_not_compileable(model: PreTrainedModel) -> str | None:
     return None
 
 
-def set_compiled_decoding(model: PreTrainedModel, compile: str = "auto", backend: str = "inductor") -> bool:
-    """Make ``model.generate`` decode with a static cache and a ``torch.compile``'d forward (``compile="on"``),
-    eagerly with a dynamic cache (``"off"``), or the first on CUDA and the second elsewhere (``"auto"``). A model
-    that cannot compile (``why_not_compileable``) decodes eagerly, with a warning when ``"on"`` asked for it.
-    Returns whether compiled decoding is on."""
+def wants_compiled_decoding(model: PreTrainedModel, compile: str = "auto") -> bool:
+    """Whether ``model`` should decode compiled: ``compile="on"``, or ``"auto"`` on CUDA, and the model can
+    (``why_not_compileable``; a warning says why not when ``"on"`` or ``"auto"`` asked for it)."""
     if compile not in COMPILE_CHOICES:
         raise ValueError(f"compile={compile!r}: choose one of {', '.join(COMPILE_CHOICES)}.")
-    generation = model.generation_config
     on = compile == "on" or (compile == "auto" and model.device.type == "cuda")
     if on and (reason := why_not_compileable(model)) is not None:
         logger.warning("compiled decoding is off: %s; decoding eagerly", reason)
-        on = False
-    if not on:
-        generation.cache_implementation, generation.compile_config, generation.disable_compile = None, None, True
         return False
-    # CUDA graphs (reduce-overhead) remove the per-token launch cost on a GPU; other backends take no mode
+    return on
+
+
+def compile_config(model: PreTrainedModel, backend: str = "inductor") -> CompileConfig:
+    """How the decoding step compiles: Inductor with CUDA graphs (``reduce-overhead``) on a GPU, where they remove
+    the per-token launch cost; other backends and devices take no mode."""
     mode = "reduce-overhead" if backend == "inductor" and model.device.type == "cuda" else None
     config = CompileConfig(backend=backend, mode=mode)
     config._compile_all_devices = True  # transformers' switch for compiling on a CPU too ("on" there)
-    generation.cache_implementation, generation.compile_config, generation.disable_compile = "static", config, False
+    return config
+
+
+def set_compiled_decoding(model: PreTrainedModel, compile: str = "auto", backend: str = "inductor") -> bool:
+    """Make ``model.generate`` decode with a static cache and a ``torch.compile``'d forward (``compile="on"``),
+    eagerly with a dynamic cache (``"off"``), or the first on CUDA and the second elsewhere (``"auto"``). A model
+    that cannot compile (``why_not_compileable``) decodes eagerly, with a warning. Returns whether compiled
+    decoding is on."""
+    generation = model.generation_config
+    if not wants_compiled_decoding(model, compile):
+        generation.cache_implementation, generation.compile_config, generation.disable_compile = None, None, True
+        return False
+    generation.cache_implementation, generation.compile_config = "static", compile_config(model, backend)
+    generation.disable_compile = False
     return True
+
+
+def warn_falling_back(err: Exception) -> None:
+    """The one warning line of a compiled decoding that failed: the error's type and first line."""
+    first_line = (str(err).strip().splitlines() or [""])[0][:200]
+    logger.warning(
+        "compiled decoding failed (%s: %s); decoding eagerly with a dynamic cache instead",
+        type(err).__name__,
+        first_line,
+    )
 
 
 def compiled_decoding_is_on(model: PreTrainedModel) -> bool:
@@ -74,12 +96,7 @@ def generate(model: PreTrainedModel, input_ids: torch.Tensor, **kwargs) -> torch
     try:
         return model.generate(input_ids, **kwargs)
     except RuntimeError as err:  # torch.compile's errors are: an unknown backend, a compiler failure, a graph break
-        first_line = (str(err).strip().splitlines() or [""])[0][:200]
-        logger.warning(
-            "compiled decoding failed (%s: %s); decoding eagerly with a dynamic cache instead",
-            type(err).__name__,
-            first_line,
-        )
+        warn_falling_back(err)
         set_compiled_decoding(model, "off")
         torch.random.set_rng_state(cpu_state)
         if cuda_states is not None:

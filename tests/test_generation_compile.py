@@ -133,6 +133,7 @@ def test_gpu_check_only_and_budget(tmp_path, capsys):
     report = json.loads(out.read_text())
     rows = {row["check"]: row for row in report["rows"]}
     assert status == 0 and report["checks"] == ["bf16", "generation_tokens", "training"]
+    assert report["device"].startswith("cpu (dry run")
     assert set(rows) == {"bf16 logits vs LlamaForCausalLM", "compiled generate == eager greedy (GPT-2 small)",
                          "training"}, set(rows)  # fmt: skip
     assert rows["compiled generate == eager greedy (GPT-2 small)"]["passed"] is True
@@ -182,3 +183,24 @@ print(json.dumps([before, [git_commit(), given["commit"], given.get("commit_sour
     assert code == {"commit": None, "dirty": None} and commit == "abc1234" and "given" in source
     code, commit, source = after
     assert code == {"commit": own, "dirty": False} and commit == own and source is None
+
+
+def test_explorer_generation_steps_compiled_equal_eager(model_and_prompt, caplog):
+    """The explorer's step-by-step generation (``measure.generate_steps``), forced on with the eager backend (a
+    static cache, transformers' compiled call for the one-token steps), records eager's tokens and probabilities,
+    greedy and sampled; a backend that fails gives one warning and eager's steps."""
+    from decoderlab.explore import measure
+
+    model, prompt = model_and_prompt
+    for temperature in (0.0, 0.8):
+        options = dict(temperature=temperature, top_k=20, seed=5)
+        eager = measure.generate_steps(model, prompt[0], 10, compile="off", **options)
+        compiled = measure.generate_steps(model, prompt[0], 10, compile="on", backend="eager", **options)
+        assert [s.token_id for s in compiled] == [s.token_id for s in eager]
+        for a, b in zip(compiled, eager):
+            assert a.probability == pytest.approx(b.probability, abs=1e-5)
+    assert hasattr(model, "_compiled_call")
+    with caplog.at_level(logging.WARNING, logger="decoderlab.generation"):
+        fallen_back = measure.generate_steps(model, prompt[0], 10, compile="on", backend="no_such_backend", **options)
+    assert [s.token_id for s in fallen_back] == [s.token_id for s in eager]
+    assert len([r for r in caplog.records if "no_such_backend" in r.getMessage()]) == 1
