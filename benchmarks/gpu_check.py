@@ -24,7 +24,8 @@ The checks, fastest first (each a row of the table: what, the figure, PASS / FAI
 7. ``generate`` tokens/s at batch 1 and 64 (greedy, 128 new tokens after a 128-token prompt, KV-cached, bf16),
    eager with a dynamic cache, and at batch 1 with a static cache and a compiled decoding step
    (``decoderlab.generation``, what ``training/generate.py`` does on CUDA): the goal is 5x the eager 121 tokens/s.
-8. That compiled decoding gives eager greedy decoding's tokens at the GPT-2-small shape (float32, batch 1).
+8. That compiled decoding gives eager greedy decoding's tokens at the GPT-2-small shape (float32, batch 1), and a
+   checkpoint's saved generation config (a static cache) makes a plain ``generate`` (so ``pipeline``) compile too.
 
 Each check has a name (``--only NAME ...``) and an estimated time on an H200 (``CHECKS``); a check that would end
 past ``--budget_s`` (9 minutes) is skipped with a row saying so.
@@ -339,7 +340,7 @@ def generation_speed(setup: Setup) -> list[Row]:
     return rows
 
 
-def generation_tokens(setup: Setup) -> Row:
+def generation_tokens(setup: Setup) -> list[Row]:
     """``decoderlab.generation``'s compiled decoding (static cache, the forward compiled by ``generate`` itself, as
     ``training/generate.py`` runs it) gives eager greedy decoding's tokens with a dynamic cache: batch 1,
     ``setup.new_tokens`` after ``setup.prompt_length``, the GPT-2-small shape, float32 (bfloat16's rounding may
@@ -358,8 +359,32 @@ def generation_tokens(setup: Setup) -> Row:
     value = (f"{'same' if same else 'different'} tokens (1 x {setup.new_tokens}, float32)"
              + ("" if same else f", first difference at new token {int(differ[0])}")
              + ("" if really_compiled else "; compiling FAILED, both eager"))  # fmt: skip
-    return Row("compiled generate == eager greedy (GPT-2 small)", value, same and really_compiled,
-               details={"same": same, "compiled": really_compiled})  # fmt: skip
+    row = Row("compiled generate == eager greedy (GPT-2 small)", value, same and really_compiled,
+              details={"same": same, "compiled": really_compiled})  # fmt: skip
+    return [row, saved_config_compiles(setup, model, prompt, eager)]
+
+
+def saved_config_compiles(setup: Setup, model, prompt: torch.Tensor, eager: torch.Tensor) -> Row:
+    """A checkpoint's saved generation config (``training.models.set_sampling_defaults``: a static cache, no compile
+    settings), as ``pipeline("text-generation")`` and a plain ``model.generate`` use it: on CUDA transformers runs
+    the decoding steps through the compiled call by itself (counted here), with eager's tokens. On a CPU it does
+    not compile: n/a."""
+    generation = model.generation_config
+    generation.cache_implementation, generation.compile_config, generation.disable_compile = "static", None, False
+    calls = []
+    if hasattr(model, "_compiled_call"):  # the one generation_tokens built: transformers' default config equals it
+        compiled_call = model._compiled_call
+        model._compiled_call = lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs)
+    greedy = dict(max_new_tokens=setup.new_tokens, min_new_tokens=setup.new_tokens, do_sample=False)
+    with torch.no_grad():
+        tokens = model.generate(prompt, **greedy)
+    same = torch.equal(tokens, eager)
+    value = f"{len(calls)} compiled decoding steps, {'same' if same else 'different'} tokens as eager"
+    if setup.device != "cuda":
+        return Row("saved generation config compiles on CUDA (pipeline)", f"not on a CPU ({value})", None)
+    passed = same and len(calls) >= setup.new_tokens - 1
+    return Row("saved generation config compiles on CUDA (pipeline)", value, passed,
+               details={"compiled_steps": len(calls), "same": same})  # fmt: skip
 
 
 def timed(rows_of, *args) -> list[Row]:

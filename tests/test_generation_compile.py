@@ -135,7 +135,8 @@ def test_gpu_check_only_and_budget(tmp_path, capsys):
     assert status == 0 and report["checks"] == ["bf16", "generation_tokens", "training"]
     assert report["device"].startswith("cpu (dry run")
     assert set(rows) == {"bf16 logits vs LlamaForCausalLM", "compiled generate == eager greedy (GPT-2 small)",
-                         "training"}, set(rows)  # fmt: skip
+                         "saved generation config compiles on CUDA (pipeline)", "training"}, set(rows)  # fmt: skip
+    assert rows["saved generation config compiles on CUDA (pipeline)"]["passed"] is None  # CUDA only
     assert rows["compiled generate == eager greedy (GPT-2 small)"]["passed"] is True
     assert rows["compiled generate == eager greedy (GPT-2 small)"]["details"]["compiled"] is True
     assert rows["training"]["value"].startswith("skipped:") and rows["training"]["passed"] is None
