@@ -10,7 +10,7 @@ and stops before the window is full, so no token is predicted from more context 
 ``--stop TEXT`` ends a sample where TEXT first appears (transformers' ``stop_strings``); a sample also ends
 when the model emits the end-of-text token. ``--stop`` is the way to end an answer for a checkpoint whose
 tokenizer has no end-of-text token (character-level ones made before it had ``<|endoftext|>``).
-The model runs on CUDA when there is a GPU. There, ``--compile auto`` (the default) decodes with a static KV cache
+The model runs on CUDA when there is a GPU (``CUDA_VISIBLE_DEVICES=""`` keeps it on the CPU). There, ``--compile auto`` (the default) decodes with a static KV cache
 and a compiled forward (``decoderlab.generation``); on a CPU it decodes eagerly, where compiling is not measured to
 pay. ``--compile off`` decodes eagerly everywhere; ``--compile on`` compiles on a CPU too. Where compiling fails,
 a one-line warning names why and the sample is decoded eagerly: the same tokens.
@@ -78,12 +78,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="static KV cache + compiled decoding step (auto: on for CUDA, off for CPU)")  # fmt: skip
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of --compile (eager: capture the graph only, for checks)")  # fmt: skip
-    parser.add_argument("--device", default=None, help="default: cuda when there is a GPU, else cpu")
     args = parser.parse_args(argv)
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
-    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
     set_compiled_decoding(model, args.compile, args.compile_backend)
     try:
         input_ids = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
