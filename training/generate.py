@@ -12,8 +12,9 @@ when the model emits the end-of-text token. ``--stop`` is the way to end an answ
 tokenizer has no end-of-text token (character-level ones made before it had ``<|endoftext|>``).
 The model runs on CUDA when there is a GPU (``CUDA_VISIBLE_DEVICES=""`` keeps it on the CPU). There,
 ``--compile auto`` (the default) decodes with a static KV cache and a compiled forward (``decoderlab.generation``);
-on a CPU it decodes eagerly, where compiling is not measured to pay. ``--compile off`` decodes eagerly everywhere; ``--compile on`` compiles on a CPU too. Where compiling fails,
-a one-line warning names why and the sample is decoded eagerly: the same tokens.
+on a CPU it decodes eagerly, where compiling is not measured to pay. ``--compile off`` decodes eagerly everywhere;
+``--compile on`` compiles on a CPU too. Where compiling fails, a one-line warning names why and the sample is
+decoded eagerly: the same tokens.
 """
 
 from training.program import prepare_imports, run_program  # isort: skip (first)
