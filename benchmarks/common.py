@@ -325,14 +325,18 @@ def timing_parser(doc: str, repeats: int = 7) -> argparse.ArgumentParser:
     return parser
 
 
-def provenance(threads: int) -> dict:
+def provenance(threads: int, source_commit: str | None = None) -> dict:
     """What a figure was measured with, the first field of every results JSON: the code (commit, and whether the
     checkout had uncommitted changes outside benchmarks/results), the date, the CPU (model, vector extensions,
     cores), the torch threads, the GPU if any, and the library versions. ``benchmarks.report`` prints it above each
-    table."""
+    table. ``source_commit``: the commit a copy of the tree without its ``.git`` was made from (a GPU machine's),
+    recorded, with ``commit_source`` saying so, only where git finds no repository of the project's own."""
+    code = git_commit(ignore=(RESULTS_DIR,))
+    if code["commit"] is None and source_commit is not None:
+        code = {"commit": source_commit, "dirty": None, "commit_source": "given on the command line (no .git here)"}
     return {
         "recorded": "at run time",
-        **git_commit(ignore=(RESULTS_DIR,)),
+        **code,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_features": cpu_features(),
@@ -343,12 +347,12 @@ def provenance(threads: int) -> dict:
     }
 
 
-def write_results(path: str | os.PathLike, result: dict, threads: int) -> None:
-    """Write a benchmark's ``result`` to ``path`` as JSON, ``provenance(threads)`` first: the one writer of
-    every results file."""
+def write_results(path: str | os.PathLike, result: dict, threads: int, source_commit: str | None = None) -> None:
+    """Write a benchmark's ``result`` to ``path`` as JSON, ``provenance(threads, source_commit)`` first: the one
+    writer of every results file."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"provenance": provenance(threads), **result}, indent=2) + "\n")
+    path.write_text(json.dumps({"provenance": provenance(threads, source_commit), **result}, indent=2) + "\n")
     print(f"wrote {path}")
 
 

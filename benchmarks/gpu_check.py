@@ -1,7 +1,10 @@
-"""Everything a GPU user depends on, checked on one CUDA GPU in under 9 minutes: one table, one JSON file.
+"""Everything a GPU user depends on, checked on one CUDA GPU within 9 minutes: one table, one JSON file.
 
-    python -m benchmarks.gpu_check              # one CUDA GPU; writes benchmarks/results/gpu_check.json
+    python -m benchmarks.gpu_check              # one CUDA GPU; writes benchmarks/results/gpu_check-GPU.json
     python -m benchmarks.gpu_check --dry_run    # CPU, tiny sizes, the same code path (CI runs it)
+    python -m benchmarks.gpu_check --only generation generation_tokens   # a quick re-run of some checks
+
+``benchmarks/gpu_session.sh`` prepares a run on a GPU machine without a package index and prints its command.
 
 The checks, fastest first (each a row of the table: what, the figure, PASS / FAIL / n/a):
 
@@ -22,7 +25,14 @@ The checks, fastest first (each a row of the table: what, the figure, PASS / FAI
    nanoGPT's GPU settings (6 x 384, block 256, batch 64, dropout 0.2, 5000 iterations, compiled, bf16), also a
    whole command, in the same run. The goal (issue 39): a saved model at validation loss <= 1.47 in no more time
    than nanoGPT's command.
-7. ``generate`` tokens/s at batch 1 and 64 (greedy, 128 new tokens after a 128-token prompt, KV-cached, bf16).
+7. ``generate`` tokens/s at batch 1 and 64 (greedy, 128 new tokens after a 128-token prompt, KV-cached, bf16),
+   eager with a dynamic cache, and at batch 1 with a static cache and a compiled decoding step
+   (``decoderlab.generation``, what ``training/generate.py`` does on CUDA): the goal is 5x the eager 121 tokens/s.
+8. That compiled decoding gives eager greedy decoding's tokens at the GPT-2-small shape (float32, batch 1), and a
+   checkpoint's saved generation config (a static cache) makes a plain ``generate`` (so ``pipeline``) compile too.
+
+Each check has a name (``--only NAME ...``) and an estimated time on an H200 (``CHECKS``); a check that would end
+past ``--budget_s`` (9 minutes) is skipped with a row saying so.
 
 A check that fails makes the exit status 1. ``--dry_run`` runs every check on the CPU at tiny sizes, so what CI
 runs is this code path; its figures say nothing about a GPU. To stay within a CI budget it compiles with
@@ -37,6 +47,7 @@ import contextlib
 import json
 import math
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -49,13 +60,26 @@ from transformers import DynamicCache
 
 from benchmarks.common import Size, llama_pair, write_results
 from benchmarks.gpu_mfu import H200_BF16_DENSE_TFLOPS, build_models, flops_per_token, train_throughput
+from decoderlab.generation import compiled_decoding_is_on, generate, set_compiled_decoding
 from decoderlab.model_card import METRICS_NAME, read_metrics
 from training.data import tiny_shakespeare
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "benchmarks" / "results" / "gpu_check.json"
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+
+def results_path(gpu: str) -> pathlib.Path:
+    """``benchmarks/results/gpu_check-h200.json`` for an "NVIDIA H200": the GPU in the name."""
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower().replace("nvidia", "")).strip("-")
+    return RESULTS / f"gpu_check-{slug}.json"
+
+
 MFU_GOAL = 0.40
 RECIPE_GOAL = 1.47  # the saved model's validation loss (nanoGPT's best on the H200: 1.463)
+# generate at batch 1, GPT-2-small shape, bf16, eager with a dynamic cache, on the H200 at ba4ff63
+# (benchmarks/results/gpu_check-h200-ba4ff63.json); compiled decoding's goal is GENERATION_GOAL times that
+EAGER_BATCH_1_H200 = 121
+GENERATION_GOAL = 5.0
 # The model of checks 1-4: decoderlab's llama preset, small enough to compile in seconds
 CHECK_SIZE = Size(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=1024, block_size=128,
                   batch_size=4)  # fmt: skip
@@ -332,27 +356,105 @@ def recipe_run(setup: Setup) -> list[Row]:
     return [Row(check, value, passed, details=details), reference_row]
 
 
-def generation_speed(setup: Setup) -> list[Row]:
-    """Greedy ``generate`` of ``setup.new_tokens`` tokens after ``setup.prompt_length``: batch 1 and 64, bf16 on
-    a GPU, the GPT-2-small-shaped model of the throughput check."""
+def generation_model(setup: Setup, dtype: torch.dtype):
+    """The GPT-2-small-shaped model of the throughput check (tiny in a dry run), on the device in ``dtype``, set to
+    generate exactly ``setup.new_tokens`` tokens (no end-of-text token)."""
     model, _ = build_models(setup.dry_run)
-    dtype = torch.bfloat16 if setup.device == "cuda" else torch.float32
     model = model.to(setup.device, dtype).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
+def timed_generate(setup: Setup, model, prompt: torch.Tensor, repeats: int) -> float:
+    """Tokens/s of the fastest of ``repeats`` greedy generations (after one untimed: compiling, CUDA graphs)."""
     greedy = dict(max_new_tokens=setup.new_tokens, min_new_tokens=setup.new_tokens, do_sample=False)
-    rows = []
-    for batch in (1, 64):
-        prompt = torch.randint(1, model.config.vocab_size, (batch, setup.prompt_length)).to(setup.device)
-        with torch.no_grad():
-            model.generate(prompt, **greedy)  # warm-up
+    with torch.no_grad():
+        generate(model, prompt, **greedy)  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
             synchronize(setup.device)
             start = time.perf_counter()
-            model.generate(prompt, **greedy)
+            generate(model, prompt, **greedy)
             synchronize(setup.device)
-        tokens_per_s = batch * setup.new_tokens / (time.perf_counter() - start)
+            best = min(best, time.perf_counter() - start)
+    return prompt.shape[0] * setup.new_tokens / best
+
+
+def generation_speed(setup: Setup) -> list[Row]:
+    """Greedy ``generate`` of ``setup.new_tokens`` tokens after ``setup.prompt_length``, bf16 on a GPU, the
+    GPT-2-small-shaped model of the throughput check: batch 1 and 64 eager with a dynamic cache (what
+    ``generate`` did before issue 40), and batch 1 with a static cache and a compiled decoding step
+    (``decoderlab.generation``, what ``training/generate.py`` does on CUDA), whose goal is
+    ``GENERATION_GOAL`` x the 121 tokens/s the H200 measured eagerly at ba4ff63."""
+    model = generation_model(setup, torch.bfloat16 if setup.device == "cuda" else torch.float32)
+    rows = []
+    for batch in (1, 64):
+        set_compiled_decoding(model, "off")
+        prompt = torch.randint(1, model.config.vocab_size, (batch, setup.prompt_length)).to(setup.device)
+        tokens_per_s = timed_generate(setup, model, prompt, repeats=1)
         rows.append(Row(f"generate batch {batch}", f"{tokens_per_s:,.0f} tokens/s", None,
                         details={"tokens_per_s": tokens_per_s}))  # fmt: skip
+    eager = rows[0].details["tokens_per_s"]
+    prompt = torch.randint(1, model.config.vocab_size, (1, setup.prompt_length)).to(setup.device)
+    set_compiled_decoding(model, "on", setup.compile_backend)
+    tokens_per_s = timed_generate(setup, model, prompt, repeats=3)
+    compiled = compiled_decoding_is_on(model)  # False: compiling failed and generate() fell back to eager
+    goal = GENERATION_GOAL * EAGER_BATCH_1_H200
+    passed = None if setup.dry_run else compiled and tokens_per_s >= goal
+    value = (f"{tokens_per_s:,.0f} tokens/s, {tokens_per_s / eager:.1f}x eager here, "
+             f"{tokens_per_s / EAGER_BATCH_1_H200:.1f}x the H200's {EAGER_BATCH_1_H200} (goal {GENERATION_GOAL}x)"
+             + ("" if compiled else "; compiling FAILED, eager"))  # fmt: skip
+    rows.append(Row("generate batch 1, static cache + compile", value, passed,
+                    details={"tokens_per_s": tokens_per_s, "eager_tokens_per_s": eager, "compiled": compiled,
+                             "goal_tokens_per_s": goal, "backend": setup.compile_backend}))  # fmt: skip
     return rows
+
+
+def generation_tokens(setup: Setup) -> list[Row]:
+    """``decoderlab.generation``'s compiled decoding (static cache, the forward compiled by ``generate`` itself, as
+    ``training/generate.py`` runs it) gives eager greedy decoding's tokens with a dynamic cache: batch 1,
+    ``setup.new_tokens`` after ``setup.prompt_length``, the GPT-2-small shape, float32 (bfloat16's rounding may
+    differ between fused and unfused kernels and so flip a near tie)."""
+    model = generation_model(setup, torch.float32)
+    prompt = torch.randint(1, model.config.vocab_size, (1, setup.prompt_length)).to(setup.device)
+    greedy = dict(max_new_tokens=setup.new_tokens, min_new_tokens=setup.new_tokens, do_sample=False)
+    with torch.no_grad():
+        set_compiled_decoding(model, "off")
+        eager = generate(model, prompt, **greedy)
+        set_compiled_decoding(model, "on", setup.compile_backend)
+        compiled = generate(model, prompt, **greedy)
+    really_compiled = compiled_decoding_is_on(model) and hasattr(model, "_compiled_call")
+    same = torch.equal(eager, compiled)
+    differ = (eager != compiled)[0, setup.prompt_length :].nonzero()
+    value = (f"{'same' if same else 'different'} tokens (1 x {setup.new_tokens}, float32)"
+             + ("" if same else f", first difference at new token {int(differ[0])}")
+             + ("" if really_compiled else "; compiling FAILED, both eager"))  # fmt: skip
+    row = Row("compiled generate == eager greedy (GPT-2 small)", value, same and really_compiled,
+              details={"same": same, "compiled": really_compiled})  # fmt: skip
+    return [row, saved_config_compiles(setup, model, prompt, eager)]
+
+
+def saved_config_compiles(setup: Setup, model, prompt: torch.Tensor, eager: torch.Tensor) -> Row:
+    """A checkpoint's saved generation config (``training.models.set_sampling_defaults``: a static cache, no compile
+    settings), as ``pipeline("text-generation")`` and a plain ``model.generate`` use it: on CUDA transformers runs
+    the decoding steps through the compiled call by itself (counted here), with eager's tokens. On a CPU it does
+    not compile: n/a."""
+    generation = model.generation_config
+    generation.cache_implementation, generation.compile_config, generation.disable_compile = "static", None, False
+    calls = []
+    if hasattr(model, "_compiled_call"):  # the one generation_tokens built: transformers' default config equals it
+        compiled_call = model._compiled_call
+        model._compiled_call = lambda *args, **kwargs: calls.append(1) or compiled_call(*args, **kwargs)
+    greedy = dict(max_new_tokens=setup.new_tokens, min_new_tokens=setup.new_tokens, do_sample=False)
+    with torch.no_grad():
+        tokens = model.generate(prompt, **greedy)
+    same = torch.equal(tokens, eager)
+    value = f"{len(calls)} compiled decoding steps, {'same' if same else 'different'} tokens as eager"
+    if setup.device != "cuda":
+        return Row("saved generation config compiles on CUDA (pipeline)", f"not on a CPU ({value})", None)
+    passed = same and len(calls) >= setup.new_tokens - 1
+    return Row("saved generation config compiles on CUDA (pipeline)", value, passed,
+               details={"compiled_steps": len(calls), "same": same})  # fmt: skip
 
 
 def timed(rows_of, *args) -> list[Row]:
@@ -372,15 +474,39 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# Every check, in the order a run takes them, with its estimated seconds on an H200: the per-row seconds of
+# benchmarks/results/gpu_check-h200-ba4ff63.json (rounded up), or, for a check added since, a guess from its
+# compilations (Inductor takes 40-60 s per model and shape there). The whole run is to stay within 9 minutes.
+CHECKS = {
+    "backends": (check_backends, 20),
+    "bf16": (check_bf16_against_llama, 5),
+    "static_compile": (check_compiled_static_generation, 15),
+    "no_sync": (check_no_sync_per_decoding_step, 5),
+    "generation": (generation_speed, 90),  # 21 s at ba4ff63 (eager only), + one bf16 compilation
+    "generation_tokens": (generation_tokens, 75),  # one float32 compilation, one eager and one compiled generate
+    "training": (training_throughput, 100),
+    "recipe": (recipe_run, 230),  # the whole recipe (compiled, stops early) + nanoGPT's 124 s command + a scoring
+}
+BUDGET_S = 540  # 9 minutes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry_run", action="store_true", help="CPU, tiny sizes: the same code path, in CI")
     parser.add_argument("--json_out", type=pathlib.Path, default=None,
-                        help=f"where the JSON goes (default {RESULTS.relative_to(REPO_ROOT)}; dry run: out/)")  # fmt: skip
+                        help="where the JSON goes, a file or a folder (default benchmarks/results/gpu_check-GPU.json; "
+                        "dry run: out/)")  # fmt: skip
     parser.add_argument("--output_dir", type=pathlib.Path, default=REPO_ROOT / "out" / "gpu_check")
     parser.add_argument("--dataset_name", default=tiny_shakespeare(), help="Tiny Shakespeare: local copy or Hub id")
     parser.add_argument("--peak_tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="dense bf16 peak")
     parser.add_argument("--train_budget_s", type=float, default=180, help="no training variant starts past this")
+    parser.add_argument("--only", nargs="+", choices=list(CHECKS), metavar="ROW",
+                        help=f"run only these checks (a quick re-run): {', '.join(CHECKS)}")  # fmt: skip
+    parser.add_argument("--budget_s", type=float, default=None,
+                        help=f"a check whose estimated H200 seconds (CHECKS) would end past this is skipped, with its "
+                        f"row (default {BUDGET_S}; none in a dry run)")  # fmt: skip
+    parser.add_argument("--commit", default=None, help="the commit this tree was copied from, recorded where it "
+                        "has no .git of its own (benchmarks/gpu_session.sh passes it)")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("No CUDA device: run on a GPU machine, or pass --dry_run to check the code path on CPU.")
@@ -394,31 +520,37 @@ def main(argv: list[str] | None = None) -> int:
                   compile_backend="eager" if args.dry_run else "inductor",
                   backends=("sdpa",) if args.dry_run else ("sdpa", "flex_attention"),
                   dataset_name=args.dataset_name, output_dir=args.output_dir)  # fmt: skip
-    json_out = args.json_out or (args.output_dir / "gpu_check-dry-run.json" if args.dry_run else RESULTS)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run: tiny sizes, figures mean nothing)"
+    json_out = args.json_out or (args.output_dir / "gpu_check-dry-run.json" if args.dry_run else results_path(name))
+    if json_out.is_dir():  # a folder: the file named as in benchmarks/results
+        json_out = json_out / results_path(name).name
     print(f"device: {name}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
 
     start = time.perf_counter()
     rows = []
-    for rows_of, *rest in (
-        (check_backends, setup),
-        (check_bf16_against_llama, setup),
-        (check_compiled_static_generation, setup),
-        (check_no_sync_per_decoding_step, setup),
-        (generation_speed, setup),
-        (training_throughput, setup, args.train_budget_s if not args.dry_run else float("inf")),
-        (recipe_run, setup),
-    ):
+    names = args.only or list(CHECKS)
+    budget_s = args.budget_s if args.budget_s is not None else float("inf") if args.dry_run else BUDGET_S
+    planned = sum(CHECKS[check][1] for check in names)
+    print(f"checks: {', '.join(names)} (about {planned:.0f} s on an H200; budget {budget_s:.0f} s)", flush=True)
+    for check in names:
+        rows_of, estimate_s = CHECKS[check]
+        elapsed = time.perf_counter() - start
+        if elapsed + estimate_s > budget_s:
+            rows.append(Row(check, f"skipped: {elapsed:.0f} s + about {estimate_s:.0f} s is past the "
+                                   f"{budget_s:.0f} s budget (--only {check} runs it)", None))  # fmt: skip
+            print(f"  {rows[-1].check}: {rows[-1].value}", flush=True)
+            continue
         torch.manual_seed(0)
-        rows += timed(rows_of, *rest)
+        train_budget = args.train_budget_s if not args.dry_run else float("inf")
+        rows += timed(rows_of, setup, *((train_budget,) if rows_of is training_throughput else ()))
         print(f"  {rows[-1].check}: {rows[-1].value}", flush=True)
     total = time.perf_counter() - start
     print(table(rows))
     print(f"total {total:.0f} s")
     report = {"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
               "dry_run": args.dry_run, "total_s": round(total, 1), "peak_tflops": args.peak_tflops,
-              "rows": [asdict(row) for row in rows]}  # fmt: skip
-    write_results(json_out, report, torch.get_num_threads())
+              "checks": names, "rows": [asdict(row) for row in rows]}  # fmt: skip
+    write_results(json_out, report, torch.get_num_threads(), source_commit=args.commit)
     return 1 if any(row.passed is False for row in rows) else 0
 
 

@@ -476,23 +476,38 @@ PAGES = {
     "docs/guides/data.md": ["data-pipeline"],
     "docs/guides/explore.md": ["explore"],
 }
-# the GPU check's results file, shown on the performance page once a GPU has written it (never so far)
-GPU_CHECK = "gpu_check.json"
+# the GPU check's results files (gpu_check-GPU[-COMMIT].json), each shown on the performance page, newest first
+GPU_CHECK = "gpu_check-*.json"
+# what a reader must know about a GPU check file that its rows do not say
+GPU_CHECK_NOTES = {
+    "gpu_check-h200-ba4ff63.json": "The first GPU run, at main ba4ff63, before issue 40's work: generation is eager "
+    "with a dynamic cache only, and the training rows are the code before issue 40's fixes. It was run from an "
+    "archive of that commit's tree (no .git), so its commit was written into the file by hand.",
+}
+
+
+def gpu_check_files() -> list[str]:
+    files = [path for path in RESULTS.glob(GPU_CHECK) if "dry-run" not in path.name]
+    dates = {path.name: json.loads(path.read_text())["provenance"].get("date") or "" for path in files}
+    return sorted(dates, key=lambda name: (dates[name], name), reverse=True)
 
 
 def gpu_check_lines(page: pathlib.Path) -> list[Line]:
-    """The GPU check's rows when its results file exists, else the sentence saying it has never run."""
-    path = RESULTS / GPU_CHECK
-    if not path.is_file():
-        return [Line(f"*Not measured: `benchmarks/results/{GPU_CHECK}` does not exist. No GPU has run "
+    """Each GPU check's rows, newest first, or the sentence saying none has run."""
+    names = gpu_check_files()
+    if not names:
+        return [Line("*Not measured: no `benchmarks/results/gpu_check-*.json` exists. No GPU has run "
                      "`python -m benchmarks.gpu_check` yet; only its CPU dry run runs, in the tests.*")]  # fmt: skip
-    report = json.loads(path.read_text())
-    rows = [([row["check"], {True: "pass", False: "FAIL", None: "-"}[row["passed"]], str(row["value"])], GPU_CHECK)
-            for row in report["rows"]]  # fmt: skip
-    return [
-        Line(f"*Measured: {link(page, path, f'`{GPU_CHECK}`')}: {measured_on(report['provenance'])}.*"),
-        Line(""),
-    ] + (markdown_table(["check", "result", "value"], "lll", rows))
+    lines = []
+    for name in names:
+        report = json.loads((RESULTS / name).read_text())
+        rows = [([row["check"], {True: "pass", False: "FAIL", None: "-"}[row["passed"]], str(row["value"])], name)
+                for row in report["rows"]]  # fmt: skip
+        note = f" {GPU_CHECK_NOTES[name]}" if name in GPU_CHECK_NOTES else ""
+        lines += [Line(f"*Measured: {link(page, RESULTS / name, f'`{name}`')}: {measured_on(report['provenance'])}, "
+                       f"{report['total_s']:.0f} s in all.{note}*", name), Line("")]  # fmt: skip
+        lines += markdown_table(["check", "result", "value"], "lll", rows) + [Line("")]
+    return lines[:-1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -541,7 +556,7 @@ def blocks(text: str) -> dict[str, str]:
 
 
 def sources(table: str) -> tuple[str, ...]:
-    return (GPU_CHECK,) if table == "gpu-check" else next(t.sources for t in TABLES if t.name == table)
+    return tuple(gpu_check_files()) if table == "gpu-check" else next(t.sources for t in TABLES if t.name == table)
 
 
 def difference(page: str, table: str, expected: list[Line], found: str) -> str | None:
@@ -563,7 +578,7 @@ def difference(page: str, table: str, expected: list[Line], found: str) -> str |
 
 def unshown() -> list[str]:
     """Results files (outside archive/) that no table renders."""
-    shown = {name for table in TABLES for name in table.sources} | {GPU_CHECK}
+    shown = {name for table in TABLES for name in table.sources} | set(gpu_check_files())
     return sorted(p.name for p in RESULTS.glob("*.json") if p.name not in shown)
 
 

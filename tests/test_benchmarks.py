@@ -184,13 +184,16 @@ def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
     must_pass = [
         "attention backends equal eager", "bf16 logits vs LlamaForCausalLM", "static cache + torch.compile == eager",
         "train decoderlab / Llama, compiled", "train decoderlab / Llama, eager", "shakespeare_char_gpu recipe",
+        "compiled generate == eager greedy (GPT-2 small)",
     ]  # fmt: skip
     for check in must_pass:
         assert rows[check]["passed"] is True, rows[check]
     assert rows["no host-device sync per decoding step"]["passed"] is None  # CUDA only
+    assert rows["generate batch 1, static cache + compile"]["details"]["compiled"] is True  # no fall back to eager
     for check in (
         "generate batch 1",
         "generate batch 64",
+        "generate batch 1, static cache + compile",
         "train decoderlab-compiled (bf16)",
         "train llama-eager (bf16)",
     ):

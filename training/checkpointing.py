@@ -209,7 +209,10 @@ def load_checkpoint(accelerator: Accelerator, path, sharded: tuple | None = None
 
 def git_commit(ignore: tuple[str, ...] = ()) -> dict:
     """The commit of the checkout the code runs from, and whether it had uncommitted changes (outside the folders
-    ``ignore`` names, relative to the repository root: e.g. results that earlier runs wrote)."""
+    ``ignore`` names, relative to the repository root: e.g. results that earlier runs wrote). Both None where the
+    project's root is not the top level of a git repository: a copy of the tree without its ``.git`` (an archive,
+    a folder copied to another machine) sits inside some other repository, or none, whose commit says nothing
+    about this code."""
 
     def git(*args) -> str | None:
         try:
@@ -218,6 +221,9 @@ def git_commit(ignore: tuple[str, ...] = ()) -> dict:
             return None
         return result.stdout.strip() if result.returncode == 0 else None
 
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or pathlib.Path(top).resolve() != REPO_ROOT.resolve():
+        return {"commit": None, "dirty": None}
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no", "--", ".", *(f":(exclude){path}" for path in ignore))
     return {"commit": commit, "dirty": bool(status) if status is not None else None}

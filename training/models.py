@@ -96,6 +96,10 @@ def set_sampling_defaults(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     generation.eos_token_id, generation.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
     # a tokenizer without a padding token (one made before decoderlab's had one): pad with the end of text
     generation.pad_token_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    # A static KV cache: on a GPU, generate() and pipeline("text-generation") then compile the decoding step by
+    # themselves (transformers' own switch; decoderlab.generation). On a CPU nothing compiles; generate.py decodes
+    # there with a dynamic cache (set_compiled_decoding).
+    generation.cache_implementation = "static"
 
 
 def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: int) -> DecoderLabForCausalLM:

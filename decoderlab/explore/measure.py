@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import DynamicCache, LogitsProcessorList, StaticCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from decoderlab.generation import compile_config, wants_compiled_decoding, warn_falling_back
 
 # Multipliers of the model's attention scale in the scale sweep (1 is the model as trained)
 SCALE_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -427,20 +429,43 @@ def generate_steps(
     seed: int = 0,
     candidates: int = 5,
     eos_token_ids: Sequence[int] = (),
+    compile: str = "auto",
+    backend: str = "inductor",
 ) -> list[Step]:
     """Generate up to ``max_new_tokens`` after ``input_ids`` (T,), one forward per token over a ``DynamicCache``
     (the prompt once, then one new token each), recording each step's ``candidates`` most probable tokens.
     temperature 0 is greedy; otherwise each token is drawn from the warped distribution with a generator seeded by
     ``seed``, which draws what ``generate(do_sample=True, ...)`` draws after ``torch.manual_seed(seed)``.
-    Stops after an end-of-sequence token."""
+    Stops after an end-of-sequence token. With ``compile`` on (``"auto"``: a model on CUDA; see
+    ``decoderlab.generation``) the one-token steps run through a ``StaticCache`` and transformers' compiled forward;
+    where compiling fails, a warning names why and the steps are computed again eagerly."""
+    if wants_compiled_decoding(model, compile):
+        try:
+            return _generate_steps(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, candidates,
+                                   eos_token_ids, backend)  # fmt: skip
+        except RuntimeError as err:  # torch.compile's errors: an unknown backend, a compiler failure, a graph break
+            warn_falling_back(err)
+    return _generate_steps(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, candidates,
+                           eos_token_ids, None)  # fmt: skip
+
+
+def _generate_steps(
+    model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, candidates, eos_token_ids, backend
+) -> list[Step]:
+    """``generate_steps``; compiled with ``backend`` (not None)."""
     warpers = sampling_warpers(temperature, top_k, top_p) if temperature > 0 else None
     generator = torch.Generator().manual_seed(seed)
-    cache = DynamicCache(config=model.config)
-    ids = input_ids[None]
+    ids = input_ids[None].to(model.device)
+    if backend is None:
+        cache, step_forward = DynamicCache(config=model.config), model
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+        step_forward = model.get_compiled_call(compile_config(model, backend))
     step_input = ids
     steps = []
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=step_input, cache=cache, use_cache=True).logits[:, -1].float()  # (1, V)
+    for step in range(max_new_tokens):
+        forward = model if step == 0 else step_forward  # the prompt eagerly (its length varies), as generate() does
+        logits = forward(input_ids=step_input, cache=cache, use_cache=True).logits[:, -1].float().cpu()  # (1, V)
         probabilities = F.softmax(logits, dim=-1)
         if warpers is None:
             sampling = F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -461,8 +486,8 @@ def generate_steps(
                 ],
             )
         )
-        ids = torch.cat([ids, token], dim=-1)
-        step_input = token
+        ids = torch.cat([ids, token.to(ids.device)], dim=-1)
+        step_input = token.to(ids.device)
         if int(token) in eos_token_ids:
             break
     return steps
