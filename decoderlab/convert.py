@@ -16,6 +16,8 @@ from here or from ``decoderlab.export``, whose modules say how each conversion w
 import argparse
 import logging
 
+from transformers.utils.hub import convert_file_size_to_int
+
 from .cli import UsageError, run_command
 from .export import (
     OUTTYPES,
@@ -104,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     cli = parser()
     args = cli.parse_args(argv)
+    try:
+        convert_file_size_to_int(args.max_shard_size)
+    except ValueError as err:
+        raise UsageError(
+            f"--max-shard-size {args.max_shard_size!r} is not a size; give a number and a unit, e.g. 2GB or 500MB."
+        ) from err
     if args.outtype and args.target != "gguf":
         raise UsageError(f"--outtype {args.outtype} applies to --to gguf only; leave it out for --to {args.target}.")
     # Each conversion's summary line (decoderlab's loggers at INFO), and the warnings of every other library; not

@@ -519,6 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     def read(path: pathlib.Path | None):
         if path is None:
             return None
+        if not path.is_file():
+            raise UsageError(f"{path} does not exist: --training and --eval_results take a JSON file.")
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:

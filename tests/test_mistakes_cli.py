@@ -171,3 +171,42 @@ def test_adapter_message_names_the_base_model(adapter):
     base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base and repr(base) in lora_adapter_problem(adapter, "x")
     assert lora_adapter_problem(adapter.parent / "ckpt", "x") is None  # a whole checkpoint is no adapter
+
+
+# Found going through each command's flags as a new user would: (command, arguments with {ckpt} and {tmp}, exit
+# status, words of the error line). Run in this process through run_command, as `python -m` runs them.
+FLAG_MISTAKES = {
+    "shard-size-not-a-size": (
+        "decoderlab.convert", ["--to", "llama", "{ckpt}", "{tmp}/llama", "--max-shard-size", "lots"], 2,
+        ["--max-shard-size 'lots' is not a size", "2GB"],
+    ),
+    "gguf-without-its-suffix": (
+        "decoderlab.convert", ["--to", "gguf", "{ckpt}", "{tmp}/model.txt"], 1, ["should end in .gguf"],
+    ),
+    "convert-onto-the-source": (
+        "decoderlab.convert", ["--to", "llama", "{ckpt}", "{ckpt}"], 1, ["exists and is not an empty folder"],
+    ),
+    "explore-port-out-of-range": ("decoderlab.explore", ["{ckpt}", "--port", "99999"], 2, ["--port 99999", "65535"]),
+    "explore-save-into-a-folder": ("decoderlab.explore", ["{ckpt}", "--save", "{tmp}"], 2, ["is a folder"]),
+    "card-training-file-missing": (
+        "decoderlab.model_card", ["{ckpt}", "--training", "{tmp}/none.json"], 2, ["none.json does not exist"],
+    ),
+    "push-repo-id-without-namespace": ("decoderlab.push", ["{ckpt}", "justname"], 1, ["must be 'ORG/NAME'"]),
+    "push-a-file": ("decoderlab.push", ["{ckpt}/config.json", "org/name"], 1, ["is not a folder"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FLAG_MISTAKES))
+def test_flag_mistakes_are_one_line_and_change_nothing(name, checkpoint, tmp_path, capsys):
+    """Each mistake ends with its exit status and one ``error:`` line holding its words, before any work: the
+    checkpoint and the scratch folder are left as they were (exit 2 for a flag's value, 1 otherwise)."""
+    command, args, status, words = FLAG_MISTAKES[name]
+    args = [arg.format(ckpt=checkpoint, tmp=tmp_path) for arg in args]
+    before = folder_snapshot(checkpoint)
+    with pytest.raises(SystemExit) as exited:
+        run_command(importlib.import_module(command).main, args)
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and "Traceback" not in error, error
+    assert all(word in error for word in words), error
+    assert exited.value.code == status
+    assert folder_snapshot(checkpoint) == before and list(tmp_path.iterdir()) == []

@@ -78,6 +78,9 @@ def listening_line(host: str, url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port {args.port}: give a port from 0 to 65535 (0: any free port).", file=sys.stderr)
+        return 2
     if args.threads is not None and args.threads < 1:
         print(f"error: --threads {args.threads}: give at least 1.", file=sys.stderr)
         return 2
