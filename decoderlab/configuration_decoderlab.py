@@ -8,6 +8,7 @@ and ``huggingface_hub`` (which transformers depends on), and ``compat_decoderlab
 from .compat_decoderlab import OUTPUT_CACHE_FIELD  # isort: skip
 
 import copy
+import difflib
 import functools
 import math
 import types
@@ -16,7 +17,7 @@ from typing import Literal
 
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
-from transformers import PreTrainedConfig
+from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
@@ -150,6 +151,7 @@ class DecoderLabConfig(PreTrainedConfig):
     """End-of-sequence token, or several."""
 
     def __post_init__(self, **kwargs):
+        _check_keywords(kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -277,6 +279,38 @@ class DecoderLabConfig(PreTrainedConfig):
         fields = {**copy.deepcopy({**PRESETS[name], **SIZES.get(size, {})}), **overrides}
         # a preset's value may depend on the sizes it is built at (vaswani's sqrt(hidden_size)): computed last
         return cls(**{key: value(fields) if callable(value) else value for key, value in fields.items()})
+
+
+# Keywords that are not fields but that transformers reads (legacy RoPE keys, torch_dtype, num_labels, what
+# from_pretrained passes; sep_token_id from transformers 4's configs) or other models' configs carry under names
+# near one of ours without meaning it (BERT's type_vocab_size, GPT-Neo's attention_layers, Phi-3's
+# original_max_position_embeddings, ...); generation settings are added below. They stay plain attributes.
+KNOWN_KEYWORDS = frozenset(
+    {"rope_scaling", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings", "torch_dtype",
+     "num_labels", "name_or_path", "attn_implementation", "experts_implementation", "output_attentions",
+     "per_layer_config", "sep_token_id", "type_vocab_size", "attention_layers", "ffn_hidden_size", "no_bias"}
+)  # fmt: skip
+
+
+@functools.cache
+def _known_keywords() -> frozenset[str]:
+    return KNOWN_KEYWORDS | frozenset(GenerationConfig().to_dict())
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """A keyword that is no field becomes an attribute (transformers keeps what other tools write into
+    config.json), unless it is a near miss of one of DecoderLabConfig's fields: ``num_hidden_layer=6`` would
+    otherwise build the default 12 layers without a word."""
+    fields = [name for name in DecoderLabConfig.__annotations__ if not name.startswith("_")]
+    for key, value in kwargs.items():
+        if key.startswith("_") or key in _known_keywords():
+            continue
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(
+                f"DecoderLabConfig has no field {key!r} (given {key}={value!r}): did you mean {close[0]!r}? "
+                "Fields are listed in the configuration reference (docs/reference/config.md)."
+            )
 
 
 # The field's class-level default would still answer `hasattr(config, "rope_parameters")` for configs without

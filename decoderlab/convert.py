@@ -16,6 +16,9 @@ from here or from ``decoderlab.export``, whose modules say how each conversion w
 import argparse
 import logging
 
+from transformers.utils.hub import convert_file_size_to_int
+
+from .cli import UsageError, run_command
 from .export import (
     OUTTYPES,
     convert_from,
@@ -69,6 +72,11 @@ TARGETS = {
 }
 
 
+# Warnings about optional packages the conversion does not use (torch's ONNX exporter lists torchvision's ops it
+# skips registering)
+QUIET_LOGGERS = ("torch.onnx._internal.exporter._registration",)
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m decoderlab.convert",
@@ -98,17 +106,26 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     cli = parser()
     args = cli.parse_args(argv)
-    if args.outtype and args.target != "gguf":
-        cli.error(f"--outtype {args.outtype} applies to --to gguf only.")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # each conversion's summary line
     try:
-        if args.family:
-            convert_from(args.family, args.src, args.dst, args.max_shard_size)
-        else:
-            TARGETS[args.target](args)
-    except (ValueError, ImportError) as err:
-        cli.exit(1, f"error: {err}\n")
+        convert_file_size_to_int(args.max_shard_size)
+    except ValueError as err:
+        raise UsageError(
+            f"--max-shard-size {args.max_shard_size!r} is not a size; give a number and a unit, e.g. 2GB or 500MB."
+        ) from err
+    if args.outtype and args.target != "gguf":
+        raise UsageError(f"--outtype {args.outtype} applies to --to gguf only; leave it out for --to {args.target}.")
+    # Each conversion's summary line (decoderlab's loggers at INFO), and the warnings of every other library; not
+    # their INFO progress (onnxscript's optimizer logs a line per replaced initializer, over a hundred for ONNX)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("decoderlab").setLevel(logging.INFO)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # a bad SRC, DST or configuration: ValueError / ImportError, one "error:" line from run_command
+    if args.family:
+        convert_from(args.family, args.src, args.dst, args.max_shard_size)
+    else:
+        TARGETS[args.target](args)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

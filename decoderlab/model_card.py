@@ -19,6 +19,7 @@ import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers.utils import logging
 
+from .cli import UsageError, run_command
 from .configuration_decoderlab import DecoderLabConfig
 
 logger = logging.get_logger(__name__)
@@ -516,14 +517,27 @@ def card_for_repo(card_path: pathlib.Path, repo_id: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="(Re)write the model card of a decoderlab checkpoint folder.")
+    parser = argparse.ArgumentParser(
+        prog="python -m decoderlab.model_card",
+        description="(Re)write the model card of a decoderlab checkpoint folder.",
+    )
     parser.add_argument("folder", type=pathlib.Path, help="checkpoint folder with config.json (and metrics.jsonl)")
     parser.add_argument("--dataset", help="training dataset: a Hub id or a local path")
     parser.add_argument("--base_model", help="Hub id of the model this one was fine-tuned from")
     parser.add_argument("--training", type=pathlib.Path, help="JSON file: the training recipe summary")
     parser.add_argument("--eval_results", type=pathlib.Path, help="JSON file: the evaluation metrics")
     args = parser.parse_args(argv)
-    read = lambda path: json.loads(path.read_text(encoding="utf-8")) if path else None
+
+    def read(path: pathlib.Path | None):
+        if path is None:
+            return None
+        if not path.is_file():
+            raise UsageError(f"{path} does not exist: --training and --eval_results take a JSON file.")
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise UsageError(f"{path} is not valid JSON ({err}).") from err
+
     path = write_model_card(
         args.folder,
         dataset=args.dataset,
@@ -535,4 +549,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

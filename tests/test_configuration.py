@@ -24,6 +24,7 @@ from decoderlab import (
     DecoderLabForSequenceClassification,
     DecoderLabModel,
 )
+from decoderlab.configuration_decoderlab import PRESETS, SIZES
 
 # A value different from the default for every field, so a field that is not saved or not read back shows up.
 NON_DEFAULT_FIELDS = dict(
@@ -303,3 +304,105 @@ def test_whole_numbers_for_float_fields_are_floats():
     for bad in (True, "8"):
         with pytest.raises(ValueError, match="embedding_multiplier"):
             DecoderLabConfig(embedding_multiplier=bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Keywords that are not fields (issue 42)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda **kw: DecoderLabConfig(**kw),
+        lambda **kw: AutoConfig.for_model("decoderlab", **kw),
+        lambda **kw: DecoderLabConfig.from_preset("llama", **kw),
+    ],
+    ids=["DecoderLabConfig", "AutoConfig.for_model", "from_preset"],
+)
+def test_misspelt_keyword_is_an_error_naming_the_field(build):
+    """``num_hidden_layer=6`` built the default 12 layers without a word: a keyword close to a field is an error
+    naming the field and the value given."""
+    with pytest.raises(ValueError, match=r"no field 'num_hidden_layer' \(given num_hidden_layer=6\): did you mean "
+                       r"'num_hidden_layers'\?"):  # fmt: skip
+        build(num_hidden_layer=6, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(ValueError, match=r"did you mean 'norm_placement'"):
+        build(norm_placment="post")
+
+
+def test_misspelt_key_in_config_json_is_an_error(tmp_path):
+    """The same typo in a hand-edited config.json is refused on load, naming the field."""
+    DecoderLabConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["qk_nrom"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"did you mean 'qk_norm'"):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+# What transformers and other tools legitimately put into a config.json beside the fields
+FOREIGN_KEYS = {
+    "_name_or_path": "org/model",
+    "architectures": ["DecoderLabForCausalLM"],
+    "transformers_version": "5.12.0",
+    "torch_dtype": "bfloat16",
+    "auto_map": {"AutoConfig": "configuration_decoderlab.DecoderLabConfig"},
+    "quantization_config": {"quant_method": "torchao", "quant_type": {"default": {"_type": "Int8WeightOnlyConfig"}}},
+    "id2label": {"0": "NEGATIVE", "1": "POSITIVE"},
+    "label2id": {"NEGATIVE": 0, "POSITIVE": 1},
+    "problem_type": "single_label_classification",
+    "use_cache": False,
+    "max_length": 64,
+    "do_sample": True,
+    "temperature": 0.7,
+    "sep_token_id": 2,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    "original_max_position_embeddings": 1024,
+    "base_model_name_or_path": "org/base",  # a tool's own record
+    "my_tool_setting": {"anything": 1},
+}
+
+
+def test_keys_other_tools_write_still_load(tmp_path):
+    """A config.json holding what transformers (other versions too), PEFT, quantizers, generation settings and a
+    tool of one's own write loads; the legacy RoPE keys still become rope_parameters."""
+    DecoderLabConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rope_parameters"]
+    (tmp_path / "config.json").write_text(json.dumps(config | FOREIGN_KEYS))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert loaded.num_hidden_layers == 3 and loaded.use_cache is False
+    assert loaded.rope_parameters["rope_theta"] == 500000.0 and loaded.rope_parameters["rope_type"] == "linear"
+    assert loaded.my_tool_setting == {"anything": 1} and loaded.id2label == {0: "NEGATIVE", 1: "POSITIVE"}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_and_size_round_trips_through_config_json(preset, tmp_path):
+    """What the project writes still loads under the keyword check: every preset at every size, saved and read
+    back as config.json."""
+    for size in (None, *SIZES):
+        config = DecoderLabConfig.from_preset(preset, size, vocab_size=65)
+        config.save_pretrained(tmp_path)
+        loaded = AutoConfig.from_pretrained(tmp_path)
+        loaded._name_or_path = config._name_or_path
+        assert loaded.to_dict() == config.to_dict()
+
+
+def test_real_llama_gpt2_neox_configs_convert_under_the_keyword_check():
+    """transformers' own Llama, GPT-2 and GPT-NeoX configs, through to_dict and back as a checkpoint's config.json
+    would be, convert to decoderlab configs: the converters pass fields only, never the other family's keys."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+
+    from decoderlab.export.families import (
+        decoderlab_config_from_gpt2,
+        decoderlab_config_from_llama,
+        decoderlab_config_from_neox,
+    )
+
+    for family, convert in (
+        (LlamaConfig, decoderlab_config_from_llama),
+        (GPT2Config, decoderlab_config_from_gpt2),
+        (GPTNeoXConfig, decoderlab_config_from_neox),
+    ):
+        source = family.from_dict(family(num_hidden_layers=2, num_attention_heads=4).to_dict())
+        assert convert(source).num_hidden_layers == 2

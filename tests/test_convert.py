@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+from decoderlab.cli import run_command
 from decoderlab.convert import convert_from, convert_to_llama, convert_to_qwen3, main
 from decoderlab.export.families import llama_config_from_decoderlab, qwen3_config_from_decoderlab
 
@@ -387,7 +388,7 @@ def test_cli_both_directions(tmp_path, randomize, ids, capsys):
         tmp_path / "vaswani",
     )
     with pytest.raises(SystemExit) as exited:
-        main(["--to", "llama", str(vaswani), str(tmp_path / "refused")])
+        run_command(main, ["--to", "llama", str(vaswani), str(tmp_path / "refused")])
     assert exited.value.code == 1
     assert "error: A Llama checkpoint cannot express" in capsys.readouterr().err
 
@@ -395,7 +396,7 @@ def test_cli_both_directions(tmp_path, randomize, ids, capsys):
     scaled = DecoderLabForCausalLM.from_pretrained(tmp_path / "decoderlab", embedding_multiplier=2.0)
     assert scaled.config.embedding_multiplier == 2.0
     with pytest.raises(SystemExit) as exited:
-        main(["--to", "llama", str(saved(scaled, tmp_path / "scaled")), str(tmp_path / "refused")])
+        run_command(main, ["--to", "llama", str(saved(scaled, tmp_path / "scaled")), str(tmp_path / "refused")])
     assert exited.value.code == 1
     stand_in_the_way = capsys.readouterr().err.split("stand in the way:\n")[1].split("\nOnly models")[0]
     assert stand_in_the_way == "  embedding_multiplier=2.0: Llama uses its token embeddings unscaled (1.0)"
@@ -513,7 +514,7 @@ def test_cli_to_qwen3(tmp_path, randomize, ids, capsys):
     assert_same_model(original, Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3").eval(), ids)
     plain = saved(qk_norm_model(randomize, qk_norm=False), tmp_path / "plain")
     with pytest.raises(SystemExit) as exited:
-        main(["--to", "qwen3", str(plain), str(tmp_path / "refused")])
+        run_command(main, ["--to", "qwen3", str(plain), str(tmp_path / "refused")])
     assert exited.value.code == 1
     assert "error: A Qwen3 checkpoint cannot express" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()

@@ -17,6 +17,7 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaF
 from transformers.cache_utils import StaticCache
 
 from decoderlab import DecoderLabForCausalLM
+from decoderlab.cli import run_command
 from decoderlab.convert import main
 from decoderlab.export import onnx_executorch
 from decoderlab.export.onnx_executorch import export_onnx, export_static_cache, longest_input
@@ -218,7 +219,7 @@ def test_bad_input_is_named_and_nothing_is_written(target, suffix, tiny_model, t
     before = folder_listing(tmp_path)
     for (src, out), message in cases.items():
         with pytest.raises(SystemExit) as stopped:
-            main(["--to", target, str(src), str(out)])
+            run_command(main, ["--to", target, str(src), str(out)])
         assert stopped.value.code == 1
         assert message in capsys.readouterr().err, (src, out)
     assert folder_listing(tmp_path) == before

@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Tokenizer
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+from decoderlab.cli import run_command
 from decoderlab.convert import main
 from decoderlab.export.gguf_file import convert_to_gguf, interleave_rope_rows
 from tests.paths import INPUT_TXT, REPO_ROOT
@@ -278,7 +279,7 @@ def test_unknown_outtype_is_refused(char_checkpoint, tmp_path, capsys):
     """An --outtype GGUF export does not offer (q4_0) is refused, naming the choices, from Python and the CLI."""
     refused(char_checkpoint, tmp_path / "out" / "m.gguf", r"Unknown outtype 'q4_0'; choose one of 'f32', 'f16'", "q4_0")
     with pytest.raises(SystemExit) as exit:
-        main(["--to", "gguf", str(char_checkpoint), str(tmp_path / "m.gguf"), "--outtype", "q4_0"])
+        run_command(main, ["--to", "gguf", str(char_checkpoint), str(tmp_path / "m.gguf"), "--outtype", "q4_0"])
     assert exit.value.code == 2 and "invalid choice: 'q4_0'" in capsys.readouterr().err
     assert not (tmp_path / "m.gguf").exists()
 
@@ -286,7 +287,7 @@ def test_unknown_outtype_is_refused(char_checkpoint, tmp_path, capsys):
 def test_outtype_without_gguf_is_refused(char_checkpoint, tmp_path, capsys):
     """--outtype with --to llama is a mistake, not silently ignored."""
     with pytest.raises(SystemExit) as exit:
-        main(["--to", "llama", str(char_checkpoint), str(tmp_path / "llama"), "--outtype", "f16"])
+        run_command(main, ["--to", "llama", str(char_checkpoint), str(tmp_path / "llama"), "--outtype", "f16"])
     assert exit.value.code == 2 and "--outtype f16 applies to --to gguf only" in capsys.readouterr().err
 
 
@@ -383,5 +384,5 @@ def test_cli_writes_the_file_and_reports_errors(char_checkpoint, tmp_path, caplo
         main(["--to", "gguf", str(char_checkpoint), str(out), "--outtype", "q8_0"])
     assert out.read_bytes()[:4] == b"GGUF" and f"Wrote {out}" in caplog.text and "q8_0" in caplog.text
     with pytest.raises(SystemExit) as exit:
-        main(["--to", "gguf", str(char_checkpoint), str(out)])
+        run_command(main, ["--to", "gguf", str(char_checkpoint), str(out)])
     assert exit.value.code == 1 and "exists; choose a new file name" in capsys.readouterr().err

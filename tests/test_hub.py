@@ -10,6 +10,7 @@ huggingface_hub's endpoint is patched to the test Hub, and each child process ge
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -32,7 +33,7 @@ from transformers import PreTrainedTokenizerFast, pipeline
 
 import decoderlab
 from decoderlab.model_card import HUB_ID_PLACEHOLDER, write_model_card
-from decoderlab.push import push_to_hub
+from decoderlab.push import HubAccessError, push_to_hub
 from tests.paths import INPUT_TXT, REPO_ROOT
 from tests.training_runs import HIDE_DECODERLAB
 
@@ -287,16 +288,86 @@ def test_cli_pushes_to_a_private_branch(hub, checkpoint, tmp_path):
         HfApi(token=False).model_info(repo_id)
 
 
-def test_push_includes_intermediate_checkpoints_only_when_asked(hub, checkpoint, tmp_path):
-    """include_checkpoints=True uploads checkpoint-*/ too, and still refuses the pickle in it."""
-    folder = tmp_path / "run"
-    shutil.copytree(checkpoint[0], folder)
-    with pytest.raises(ValueError, match=r"checkpoint-10/optimizer\.bin"):
-        push_to_hub(folder, "decoderlab-org/with-checkpoints", token=hub.token, include_checkpoints=True)
-    (folder / "checkpoint-10" / "optimizer.bin").unlink()
-    commit = push_to_hub(folder, "decoderlab-org/with-checkpoints", token=hub.token, include_checkpoints=True)
-    files = HfApi().list_repo_files("decoderlab-org/with-checkpoints", revision=commit.rsplit("/", 1)[-1])
-    assert "checkpoint-10/model.safetensors" in files
+@pytest.fixture(scope="module")
+def training_folder(checkpoint, tmp_path_factory):
+    """A folder as the training scripts leave it: the final model, plus a step_2/ Accelerate state (weights,
+    pickled optimizer and RNG states) and a step_4.tmp/ still being written."""
+    from accelerate import Accelerator
+
+    folder = tmp_path_factory.mktemp("training") / "run"
+    shutil.copytree(checkpoint[0], folder, ignore=shutil.ignore_patterns("checkpoint-*"))
+    model = decoderlab.DecoderLabForCausalLM(checkpoint[1].config)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    accelerator.save_state(str(folder / "step_2"))
+    (folder / "step_4.tmp").mkdir()
+    (folder / "step_4.tmp" / "optimizer.bin").write_bytes(b"half written")
+    return folder
+
+
+def test_push_includes_intermediate_checkpoints_only_when_asked(hub, training_folder):
+    """Without include_checkpoints the step_N/ folders stay local; with it (issue 42: it could never succeed on a
+    training folder) they are uploaded as Accelerate wrote them, pickles included, while step_N.tmp/ (being
+    written) never is; the pickle refusal still guards the model itself."""
+    files_of = lambda commit: HfApi().list_repo_files("decoderlab-org/with-checkpoints", revision=commit)
+    commit = push_to_hub(training_folder, "decoderlab-org/with-checkpoints", token=hub.token)
+    assert not any(name.startswith("step_") for name in files_of(commit.rsplit("/", 1)[-1]))
+    written = sorted(p.relative_to(training_folder).as_posix() for p in (training_folder / "step_2").rglob("*"))
+    assert {"step_2/optimizer.bin", "step_2/random_states_0.pkl", "step_2/model.safetensors"} <= set(written)
+    commit = push_to_hub(training_folder, "decoderlab-org/with-checkpoints", token=hub.token, include_checkpoints=True)
+    files = files_of(commit.rsplit("/", 1)[-1])
+    assert set(written) <= set(files)
+    assert not any(name.startswith("step_4") for name in files)
+    top_level_pickle = training_folder.parent / "pickled"
+    shutil.copytree(training_folder, top_level_pickle)
+    save_pickle(top_level_pickle / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pickle files would be uploaded: pytorch_model\.bin$"):
+        push_to_hub(top_level_pickle, "decoderlab-org/with-checkpoints", token=hub.token, include_checkpoints=True)
+
+
+def test_push_without_a_token_is_one_line_naming_the_login(hub, checkpoint, tmp_path):
+    """`python -m decoderlab.push` with no stored login and no HF_TOKEN: exit 1, one line naming the endpoint,
+    `hf auth login` and HF_TOKEN, no traceback, no request sent and nothing written into the folder (which has
+    no card, so a push would write one)."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint[0], folder, ignore=shutil.ignore_patterns("checkpoint-*", "README.md"))
+    before = sorted(p.name for p in folder.iterdir())
+    requests_before = len(hub.requests)
+    cli = "import runpy; runpy.run_module('decoderlab.push', run_name='__main__')"
+    command = [sys.executable, "-c", NETWORK_GUARD + "socket.getaddrinfo = _local_only\n" + cli]
+    env = client_env(hub.url, tmp_path / "hf_home")
+    result = subprocess.run([*command, str(folder), "decoderlab-org/no-token"], env=env, capture_output=True, text=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: No Hub token") and result.stderr.count("\n") == 1, result.stderr
+    assert all(words in result.stderr for words in (hub.url, "hf auth login", "HF_TOKEN"))
+    assert len(hub.requests) == requests_before
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_push_with_a_refused_token_names_the_endpoint_and_401(hub, checkpoint, tmp_path):
+    """A token the Hub refuses: HubAccessError naming the endpoint, 401 and how to check the token; the card the
+    push would write is not written."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint[0], folder, ignore=shutil.ignore_patterns("checkpoint-*", "README.md"))
+    with pytest.raises(HubAccessError, match=r"refused the token \(401 Unauthorized\).*hf auth whoami") as error:
+        push_to_hub(folder, "decoderlab-org/refused", token="hf_not_a_valid_token")
+    assert hub.url in str(error.value)
+    assert not (folder / "README.md").exists()
+
+
+def test_push_to_an_unreachable_hub_names_the_endpoint(hub, checkpoint, monkeypatch):
+    """Nothing listening at the endpoint: one message naming its URL and what to check, not httpx's traceback."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setattr(hub_constants, "ENDPOINT", closed)
+    with pytest.raises(HubAccessError, match=rf"Cannot reach the Hub at {closed} .*HF_ENDPOINT"):
+        push_to_hub(checkpoint[0], "decoderlab-org/unreachable", token=hub.token)
+
+
+def test_push_in_offline_mode_says_so(hub, checkpoint, monkeypatch):
+    """HF_HUB_OFFLINE=1 stops the push with a message naming it, not huggingface_hub's traceback."""
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubAccessError, match=r"Offline mode is on \(HF_HUB_OFFLINE=1\)"):
+        push_to_hub(checkpoint[0], "decoderlab-org/offline", token=hub.token)
 
 
 def edit_config(edit):
@@ -386,6 +457,35 @@ def test_pull_with_decoderlab_installed_runs_no_remote_code(hub, pushed, referen
     assert report["model_module"] == "decoderlab.modeling_decoderlab"
     assert report["config_class"] == "decoderlab.configuration_decoderlab.DecoderLabConfig"
     assert_same_model(report, logits, reference)
+
+
+# The card's two "How to use" snippets: the section title, then the first Python block under it
+CARD_SNIPPET = re.compile(
+    r"^### (With decoderlab installed|Without decoderlab)[^\n]*\n.*?```python\n(.*?)```", re.M | re.S
+)
+
+
+@pytest.mark.slow  # two fresh processes, each loading the model from the test Hub and generating
+def test_model_card_snippets_run_against_the_hub(hub, pushed, tmp_path):
+    """The pushed card's snippets run as a reader would copy them, against the Hub (HF_ENDPOINT): with decoderlab
+    importable, and without it (the commit hash filled in), where transformers must never stop to ask whether to
+    run the repository's code (issue 42: AutoTokenizer reads config.json, whose class is remote code)."""
+    repo_id, commit = pushed
+    card = hub.read(repo_id, commit, "README.md").decode()
+    snippets = dict(CARD_SNIPPET.findall(card))
+    assert set(snippets) == {"With decoderlab installed", "Without decoderlab"}
+    without = snippets["Without decoderlab"].replace('"<commit-hash>"', f'"{commit}"')
+    assert f'revision = "{commit}"' in without
+    runs = {"with": snippets["With decoderlab installed"], "without": HIDE_DECODERLAB + without}
+    for name, code in runs.items():
+        guarded = NETWORK_GUARD + "socket.getaddrinfo = _local_only\n" + code
+        result = subprocess.run(
+            [sys.executable, "-c", guarded], env=client_env(hub.url, tmp_path / name), cwd=tmp_path,
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        assert "Do you wish to run the custom code" not in result.stdout + result.stderr, name
+    assert result.stdout.startswith("Once upon a time")  # the card's prompt, then the generated text
 
 
 LOAD_BROKEN = """

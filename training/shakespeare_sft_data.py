@@ -14,12 +14,16 @@ Every character comes from the play, so a character-level model pretrained on it
 (with decoderlab's default chat template, whose role names are plain capitals).
 """
 
-import json
-import pathlib
-from dataclasses import dataclass
+from training.program import prepare_imports, run_program  # isort: skip (first)
 
-from training.args import Config, option, parse_config
-from training.data import load_named_dataset, tiny_shakespeare
+prepare_imports(__name__)  # the optional packages' import-time warnings stay off the console (training/program.py)
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from training.args import Config, option, parse_config  # noqa: E402
+from training.data import load_named_dataset, tiny_shakespeare  # noqa: E402
 
 DATA_FORMATS = ("prompt_completion", "chat")
 
@@ -78,4 +82,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

@@ -1,8 +1,7 @@
 """python -m decoderlab.explore: see ``decoderlab.explore.cli``."""
 
-import sys
-
+from ..cli import run_command
 from .cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command(main)

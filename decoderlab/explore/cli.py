@@ -8,6 +8,7 @@ With --save, the same views for one prompt go into one self-contained HTML file 
 import argparse
 import ipaddress
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def save_problem(path: Path) -> str | None:
+    """Why the report cannot be written to ``path``, or None."""
+    if path.is_dir():
+        return "is a folder; give the file to write, e.g. report.html inside it."
+    folder = path.parent
+    if not folder.is_dir():
+        return f"its folder {folder} does not exist; create it first (mkdir -p {folder})."
+    if not os.access(folder, os.W_OK):
+        return f"its folder {folder} is not writable."
+    return None
+
+
 def listening_line(host: str, url: str) -> str:
     try:
         loopback = ipaddress.ip_address(host).is_loopback
@@ -65,9 +78,17 @@ def listening_line(host: str, url: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port {args.port}: give a port from 0 to 65535 (0: any free port).", file=sys.stderr)
+        return 2
     if args.threads is not None and args.threads < 1:
         print(f"error: --threads {args.threads}: give at least 1.", file=sys.stderr)
         return 2
+    if args.save:
+        problem = save_problem(Path(args.save))
+        if problem:  # before the model loads and every view is drawn
+            print(f"error: --save {args.save}: {problem}", file=sys.stderr)
+            return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

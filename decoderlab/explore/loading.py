@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
+from decoderlab.export.checkpoint import lora_adapter_problem
 from decoderlab.export.families import FROM, convert_from
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ def read_model_type(name: str) -> str:
     path = Path(name)
     if path.exists() and not path.is_dir():
         raise ExploreError(f"{name} is a file; pass the checkpoint folder that holds config.json and the weights.")
+    adapter = lora_adapter_problem(path, "the explorer") if path.is_dir() else None
+    if adapter:
+        raise ExploreError(adapter)
     if path.is_dir() and not (path / "config.json").is_file():
         found = sorted(p.name for p in path.iterdir())[:12]
         raise ExploreError(

@@ -37,6 +37,29 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 DEFAULT_MAX_SHARD_SIZE = "1GB"
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes beside a LoRA adapter's weights
+
+
+def lora_adapter_problem(folder: str | os.PathLike, command: str) -> str | None:
+    """What to say when ``folder`` is a LoRA adapter (peft's ``adapter_config.json``, no ``config.json``) where
+    ``command`` needs a whole model; ``None`` for any other folder."""
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        base = None
+    base = base or "BASE"
+    return (
+        f"{folder} is a LoRA adapter ({ADAPTER_CONFIG}: low-rank updates for the base model {base}), not a whole "
+        f"model, and {command} needs the model with the adapter merged into its weights. Fine-tune with "
+        "--merge_lora to save the merged model (the adapter is then kept in adapter/), or merge this adapter with "
+        f"peft: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {str(folder)!r})"
+        ".merge_and_unload().save_pretrained(NEW_FOLDER), and save the tokenizer into NEW_FOLDER too."
+    )
+
+
 def resolve_source(src: str | os.PathLike) -> Path:
     """A local checkpoint folder as it is, or a Hub repo id downloaded (configs, safetensors, tokenizer)."""
     path = Path(src)
@@ -56,6 +79,9 @@ def resolve_source(src: str | os.PathLike) -> Path:
 def config_json(folder: Path) -> dict:
     """SRC's config.json as a dict, or a ValueError when the folder has none."""
     config_file = folder / "config.json"
+    adapter = lora_adapter_problem(folder, "python -m decoderlab.convert")
+    if adapter:
+        raise ValueError(adapter)
     if not config_file.is_file():
         raise ValueError(f"No config.json in {folder}: is it a transformers checkpoint folder?")
     return json.loads(config_file.read_text())

@@ -304,6 +304,8 @@ def prepare_output(out: str | os.PathLike) -> Path:
         raise ValueError(
             f"OUT {str(out)!r} is a folder; give the path of the .gguf file to write, e.g. {out / 'model.gguf'}."
         )
+    if out.suffix != ".gguf":
+        raise ValueError(f"OUT {str(out)!r} should end in .gguf for --to gguf; name the file, e.g. model.gguf.")
     if out.exists():
         raise ValueError(f"OUT {str(out)!r} exists; choose a new file name (nothing is overwritten).")
     if not out.parent.is_dir():

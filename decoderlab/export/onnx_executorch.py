@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -150,7 +151,11 @@ def onnx_program(model: DecoderLabForCausalLM) -> "torch.onnx.ONNXProgram":
     longest = longest_input(model.config)
     example = torch.zeros(2, min(TRACE_LENGTH, longest or TRACE_LENGTH), dtype=torch.long)
     batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence_length", max=longest)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's exporter copies its own pytree specs through an API torch deprecated: nothing a user can change
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
         return torch.onnx.export(
             LogitsOnly(model).eval(),
             (example,),
