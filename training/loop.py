@@ -45,6 +45,7 @@ from .checkpointing import (
     save_checkpoint,
 )
 from .data import Prefetched, count_targets, real_tokens
+from .preemption import StopControl
 from .sharding import is_sharded, shard_model, step_only_when_synced
 
 logger = logging.getLogger(__name__)
@@ -427,7 +428,9 @@ def train(
     pin_memory = cfg.dataloader_pin_memory and accelerator.device.type == "cuda"
     micro_batches = Prefetched(batches.iterate(start=consumed()), cfg.prefetch_batches, pin_memory)
     parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
-    with contextlib.closing(micro_batches):  # the reading thread stops however the loop ends
+    # the reading thread stops however the loop ends; stop signals and the clock ask for checkpoints (preemption.py)
+    control = StopControl(cfg.stop_signals, cfg.checkpointing_minutes, accelerator.num_processes)
+    with contextlib.closing(micro_batches), control:
         bar = tqdm(
             total=max_steps,
             initial=state.step,
@@ -481,6 +484,10 @@ def train(
             log_due = state.step % cfg.logging_steps == 0 or last
             eval_due = cfg.eval_steps is not None and state.step % cfg.eval_steps == 0 and not last
             checkpoint_due = cfg.checkpointing_steps is not None and (state.step % cfg.checkpointing_steps == 0 or last)
+            stop, on_clock = control.poll(state.step)  # the same on every process; the last step ends the run as usual
+            stop = stop and not last
+            eval_due = eval_due and not stop  # a stopping run saves at once
+            checkpoint_due = checkpoint_due or stop or on_clock
             if not (log_due or eval_due or checkpoint_due):
                 continue
             window_time += time.perf_counter() - segment_start
@@ -517,7 +524,7 @@ def train(
             if checkpoint_due:
                 state.elapsed_s = elapsed()
                 data_state = batches.state_dict(consumed()) if saves_position else None
-                save_checkpoint(
+                checkpoint = save_checkpoint(
                     accelerator,
                     cfg.output_dir,
                     state,
@@ -526,6 +533,11 @@ def train(
                     sharded=sharded,
                     data_state=data_state,
                 )
+                control.saved()
+                if stop:  # saved where every process stands: end the program with its own status
+                    bar.close()
+                    accelerator.end_training()
+                    raise control.stopped(checkpoint, state.step, log=accelerator.is_main_process)
             segment_start = time.perf_counter()
         bar.close()
         state.elapsed_s = elapsed()
