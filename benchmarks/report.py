@@ -294,6 +294,18 @@ def char_packing_rows(report: dict) -> list[Line]:
     )
 
 
+def signal_exit_rows(report: dict) -> list[Line]:
+    rows = []
+    for shape, result in report["shapes"].items():
+        m = result["median"]
+        cells = [shape, f"{m['checkpoint_bytes'] / 2**20:,.0f} MiB", number(m["step_s"]), number(m["step_in_flight_s"]),
+                 number(m["save_s"]), number(m["exit_s"]), f"**{number(m['signal_to_exit_s'])}**"]  # fmt: skip
+        rows.append((cells, "signal_exit.json"))
+    header = ["shape (median of runs)", "checkpoint", "one step, s", "step in flight, s", "save, s", "exit, s",
+              "signal to exit, s"]  # fmt: skip
+    return markdown_table(header, "lrrrrrr", rows)
+
+
 def gib(n_bytes: int) -> str:
     return f"{n_bytes / 2**30:.2f} GiB"
 
@@ -469,12 +481,14 @@ TABLES = [
         "data-pipeline.md",
         data_pipeline_rows,
     ),
+    Table("signal-exit", ("signal_exit.json",), None, signal_exit_rows),
 ]
 PAGES = {
     "README.md": ["headline"],
     "docs/performance.md": [table.name for table in TABLES],
     "docs/guides/data.md": ["data-pipeline"],
     "docs/guides/explore.md": ["explore"],
+    "docs/guides/multi-node.md": ["signal-exit"],
 }
 # the GPU check's results file, shown on the performance page once a GPU has written it (never so far)
 GPU_CHECK = "gpu_check.json"
