@@ -212,8 +212,8 @@ def test_ctrl_c_twice_exits_at_once_without_a_partial_folder_and_sigkill_in_a_sa
     """Ctrl-C twice: the first SIGINT starts the save at the next step; the second, sent once the save's step_N.tmp
     exists, stops the process at once (KeyboardInterrupt), and the half-written folder is removed. SIGKILL during a
     save (after a SIGTERM) leaves step_N.tmp, which is never resumed from: the previous checkpoint is intact and is
-    the one --resume_from_checkpoint latest resolves to. A 256-wide model makes a save take long enough to hit."""
-    wide = dict(hidden=256)
+    the one --resume_from_checkpoint latest resolves to. A 512-wide model makes a save long enough to hit."""
+    wide = dict(hidden=512)
     twice = tmp_path / "twice"
     run = Run([sys.executable, str(PRETRAIN), *run_argv(text_files, twice, "--max_train_steps", "2000",
                                                        "--checkpointing_steps", "none", **wide)], tmp_path / "twice.log")  # fmt: skip
