@@ -311,3 +311,23 @@ def test_finetuning_stops_saves_and_resumes_the_same_way(tmp_path, base_checkpoi
     assert stopped < 80 and f"on {sig.name}" in run.output()
     finetune.main([*argv, "--resume_from_checkpoint", "latest"])
     assert_same_run(interrupted, reference)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+
+
+@pytest.mark.slow
+def test_signal_exit_benchmark_times_the_step_the_save_and_the_exit(tmp_path, text_files):
+    """benchmarks/signal_exit.py's run on a tiny model: status 75 after a checkpoint, and the three parts it reports
+    (step in flight, save, exit) add up to the signal-to-exit time it reports."""
+    from benchmarks.signal_exit import one_run
+
+    arguments = run_argv(
+        text_files, tmp_path / "unused", "--max_train_steps", "100000", "--checkpointing_steps", "none"
+    )
+    arguments = arguments[: arguments.index("--output_dir")] + arguments[arguments.index("--output_dir") + 2 :]
+    run = one_run(arguments, tmp_path / "run", subprocess_env())
+    parts = run["step_in_flight_s"] + run["save_s"] + run["exit_s"]
+    assert parts == pytest.approx(run["signal_to_exit_s"], abs=0.01), run
+    assert run["save_s"] >= 0 and run["step_s"] > 0 and run["checkpoint_bytes"] > 100_000, run
