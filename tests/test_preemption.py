@@ -243,6 +243,23 @@ def test_ctrl_c_twice_exits_at_once_without_a_partial_folder_and_sigkill_in_a_sa
     assert folder_snapshot(killed / "step_3") == before
 
 
+@pytest.mark.slow
+def test_checkpointing_minutes_saves_on_the_clock(tmp_path, text_files):
+    """--checkpointing_minutes 0.01 (0.6 s) in a run whose step checkpoints would come only at its end: checkpoints
+    at steps before the end, each at least 0.6 s of wall time after the previous one (``elapsed_s`` of its
+    training_state.json), and the end's."""
+    out = tmp_path / "out"
+    pretrain.main(run_argv(text_files, out, "--max_train_steps", "400", "--checkpointing_steps", "1000",
+                           "--checkpointing_minutes", "0.01"))  # fmt: skip
+    saved = [state_of(p) for p in list_checkpoints(out)]
+    on_clock = [s for s in saved if s["step"] < 400]
+    assert on_clock, f"no checkpoint on the clock: {[s['step'] for s in saved]}"
+    assert saved[-1]["step"] == 400
+    elapsed = [0.0] + [s["elapsed_s"] for s in on_clock]
+    # 0.59: the clock starts a moment (the progress bar's creation) before the run's elapsed time does
+    assert all(later - earlier >= 0.59 for earlier, later in zip(elapsed, elapsed[1:])), elapsed
+
+
 # ----------------------------------------------------------------------------------------------
 # Two processes (torchrun)
 
