@@ -26,7 +26,7 @@ from tests.training_runs import folder_snapshot, metrics, subprocess_env
 from training import finetune, pretrain
 from training.args import TrainConfig
 from training.checkpointing import STATE_NAME, list_checkpoints, resolve_checkpoint
-from training.preemption import STOPPED_EXIT_STATUS, parse_stop_signals
+from training.preemption import STOPPED_EXIT_STATUS, default_stop_signals, parse_stop_signals
 
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
 FINETUNE = REPO_ROOT / "training" / "finetune.py"
@@ -180,6 +180,9 @@ def test_bad_stop_settings_are_refused_before_any_step(tmp_path, text_files):
     with pytest.raises(ValueError, match=r"SIGUSR1 does not exist on this platform .* has SIGTERM, SIGINT of those"):
         parse_stop_signals("SIGTERM,SIGUSR1", available=WINDOWS_SIGNALS)
     assert parse_stop_signals("term, usr1,SIGINT,sigterm") == ("SIGTERM", "SIGUSR1", "SIGINT")
+    # the default is what the platform has: no error on Windows, where SIGUSR1 is left out
+    assert TrainConfig().stop_signals == "SIGTERM,SIGUSR1,SIGINT"
+    assert parse_stop_signals(default_stop_signals(WINDOWS_SIGNALS), WINDOWS_SIGNALS) == ("SIGTERM", "SIGINT")
     assert parse_stop_signals("none") == () and TrainConfig(stop_signals="none").stop_signals is None
 
 

@@ -29,7 +29,7 @@ from transformers import SchedulerType
 
 from decoderlab import DecoderLabConfig
 
-from .preemption import parse_stop_signals
+from .preemption import DEFAULT_STOP_SIGNALS, parse_stop_signals
 
 TOKENIZER_TYPES = Literal["char", "bpe", "pretrained"]
 MIXED_PRECISION = Literal["no", "bf16", "fp16"]
@@ -144,7 +144,7 @@ class TrainConfig(Config):
         None, "also save a resumable checkpoint every M minutes of wall time (every process agrees on the step)"
     )
     stop_signals: str | None = option(
-        "SIGTERM,SIGUSR1,SIGINT",
+        DEFAULT_STOP_SIGNALS,
         "signals that stop the run at the next step with a checkpoint, exit status 75 (a second Ctrl-C stops at "
         "once); none: signals act as by default",
     )

@@ -45,6 +45,16 @@ def platform_signals() -> set[str]:
     return {sig.name for sig in signal.valid_signals() if isinstance(sig, signal.Signals)}
 
 
+def default_stop_signals(available: set[str] | None = None) -> str:
+    """SIGTERM (schedulers, ``kill``), SIGUSR1 (SLURM's usual early warning) where the platform (``available``,
+    default this one) has it, which Windows does not, and SIGINT (Ctrl-C)."""
+    available = platform_signals() if available is None else available
+    return ",".join(name for name in ("SIGTERM", "SIGUSR1", "SIGINT") if name in available)
+
+
+DEFAULT_STOP_SIGNALS = default_stop_signals()  # TrainConfig.stop_signals' default
+
+
 def parse_stop_signals(spec: str | None, available: set[str] | None = None) -> tuple[str, ...]:
     """``"SIGTERM,usr1"`` -> ``("SIGTERM", "SIGUSR1")``; ``None`` or ``"none"`` -> ``()``. A ValueError for a name that
     is not one of ``STOP_SIGNALS``, or that ``available`` (default: this platform's signals) lacks."""
