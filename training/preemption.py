@@ -12,7 +12,7 @@ ever) and ends the program with ``STOPPED_EXIT_STATUS``. A second SIGINT (Ctrl-C
 once, as Python does by default; a checkpoint being written then is removed, never left half-written.
 
 The processes agree without touching the accelerator: every process adds its flags (stop requested, clock due) to a
-tiny CPU tensor summed over a gloo process group (the default group on CPUs, a gloo group of its own next to NCCL).
+tiny CPU tensor reduced (its maximum) over a gloo process group (the default group on CPUs, a gloo group of its own next to NCCL).
 One process does not wait for the others at every step: they exchange at the steps the last exchange chose, about
 ``AGREE_EVERY_S`` seconds of training apart (the shortest interval any process proposed), so a signal that reaches one
 process only (a worker killed by hand) or every process (``torchrun`` forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT
@@ -104,7 +104,7 @@ class StopControl:
     Args:
         stop_signals: ``TrainConfig.stop_signals`` (checked there); none: no handler is installed.
         checkpointing_minutes: also save every this many minutes of wall time (None: never on the clock).
-        num_processes: the run's processes; with more than one, the flags are summed over ``agreement_group``.
+        num_processes: the run's processes; with more than one, the flags are reduced over ``agreement_group``.
     """
 
     def __init__(self, stop_signals: str | None, checkpointing_minutes: float | None, num_processes: int):
