@@ -11,9 +11,9 @@ the processes agree on a step to stop at, the loop saves a complete checkpoint t
 ever) and ends the program with ``STOPPED_EXIT_STATUS``. A second SIGINT (Ctrl-C twice) raises KeyboardInterrupt at
 once, as Python does by default; a checkpoint being written then is removed, never left half-written.
 
-The processes agree without touching the accelerator: every process adds its flags (stop requested, clock due) to a
-tiny CPU tensor reduced (its maximum) over a gloo process group (the default group on CPUs, a gloo group of its own next to NCCL).
-One process does not wait for the others at every step: they exchange at the steps the last exchange chose, about
+The processes agree without touching the accelerator: every process puts its flags (stop requested, clock due) in a
+tiny CPU tensor reduced (its maximum) over a gloo process group (the default group on CPUs, a gloo group of its own
+next to NCCL). One process does not wait for the others at every step: they exchange at the steps the last exchange chose, about
 ``AGREE_EVERY_S`` seconds of training apart (the shortest interval any process proposed), so a signal that reaches one
 process only (a worker killed by hand) or every process (``torchrun`` forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT
 from the launcher to each worker) stops all of them at the same step. A single process decides at every step.
