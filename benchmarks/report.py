@@ -294,6 +294,26 @@ def char_packing_rows(report: dict) -> list[Line]:
     )
 
 
+def spread(result: dict, key: str) -> str:
+    """The median of ``key`` over a shape's runs, and their range."""
+    values = [run[key] for run in result["runs"]]
+    return f"{number(result['median'][key])} ({number(min(values))}–{number(max(values))})"
+
+
+def signal_exit_rows(report: dict) -> list[Line]:
+    """Medians, and for the save and the whole the range over the runs (the machine's load varied)."""
+    rows = []
+    for shape, result in report["shapes"].items():
+        m = result["median"]
+        cells = [f"{shape}, {len(result['runs'])} runs", f"{m['checkpoint_bytes'] / 2**20:,.0f} MiB", number(m["step_s"]),
+                 number(m["step_in_flight_s"]), spread(result, "save_s"), number(m["exit_s"]),
+                 f"**{spread(result, 'signal_to_exit_s')}**"]  # fmt: skip
+        rows.append((cells, "signal_exit.json"))
+    header = ["shape", "checkpoint", "one step, s", "step in flight, s", "save, s (range)", "exit, s",
+              "signal to exit, s (range)"]  # fmt: skip
+    return markdown_table(header, "lrrrrrr", rows)
+
+
 def gib(n_bytes: int) -> str:
     return f"{n_bytes / 2**30:.2f} GiB"
 
@@ -469,12 +489,14 @@ TABLES = [
         "data-pipeline.md",
         data_pipeline_rows,
     ),
+    Table("signal-exit", ("signal_exit.json",), None, signal_exit_rows),
 ]
 PAGES = {
     "README.md": ["headline"],
     "docs/performance.md": [table.name for table in TABLES],
     "docs/guides/data.md": ["data-pipeline"],
     "docs/guides/explore.md": ["explore"],
+    "docs/guides/multi-node.md": ["signal-exit"],
 }
 # the GPU check's results files (gpu_check-GPU[-COMMIT].json), each shown on the performance page, newest first
 GPU_CHECK = "gpu_check-*.json"

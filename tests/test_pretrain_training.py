@@ -306,8 +306,8 @@ def test_an_accumulated_step_is_the_full_batch_step(tmp_path, tiny_model):
 
 
 def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny_model, monkeypatch):
-    """A save killed halfway leaves only step_N.tmp: 'latest' still resolves to the previous complete
-    checkpoint, and the next save of that step replaces the leftover."""
+    """A save interrupted by an exception leaves nothing; one killed halfway leaves only step_N.tmp: 'latest' still
+    resolves to the previous complete checkpoint, and the next save of that step replaces the leftover."""
     accelerator = make_accelerator(TrainConfig(output_dir=str(tmp_path)))
     model, optimizer = accelerator.prepare(tiny_model(), torch.optim.AdamW(tiny_model().parameters()))
     save_checkpoint(accelerator, tmp_path, TrainState(step=10))
@@ -320,7 +320,10 @@ def test_interrupted_checkpoint_is_never_taken_for_a_complete_one(tmp_path, tiny
     monkeypatch.setattr(accelerator, "save_state", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(accelerator, tmp_path, TrainState(step=20))
-    assert (tmp_path / "step_20.tmp").is_dir() and not (tmp_path / "step_20").exists()
+    # an exception (Ctrl-C twice) removes the folder it interrupted; SIGKILL leaves it, as made here
+    assert not (tmp_path / "step_20.tmp").exists() and not (tmp_path / "step_20").exists()
+    (tmp_path / "step_20.tmp").mkdir()
+    (tmp_path / "step_20.tmp" / "model.safetensors").write_bytes(b"partial")
     assert resolve_checkpoint("latest", tmp_path) == tmp_path / "step_10"
     monkeypatch.undo()
     save_checkpoint(accelerator, tmp_path, TrainState(step=20))

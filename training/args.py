@@ -29,6 +29,8 @@ from transformers import SchedulerType
 
 from decoderlab import DecoderLabConfig
 
+from .preemption import DEFAULT_STOP_SIGNALS, parse_stop_signals
+
 TOKENIZER_TYPES = Literal["char", "bpe", "pretrained"]
 MIXED_PRECISION = Literal["no", "bf16", "fp16"]
 TOKEN_DTYPES = Literal["auto", "uint16", "uint32"]
@@ -155,6 +157,14 @@ class TrainConfig(Config):
     checkpointing_steps: int | None = option(500, "save a resumable checkpoint every N steps (and at the end)")
     checkpoints_total_limit: int | None = option(2, "keep only the newest N step_N checkpoints")
     resume_from_checkpoint: str | None = option(None, "'latest' or a step_N folder to continue from")
+    checkpointing_minutes: float | None = option(
+        None, "also save a resumable checkpoint every M minutes of wall time (every process agrees on the step)"
+    )
+    stop_signals: str | None = option(
+        DEFAULT_STOP_SIGNALS,
+        "signals that stop the run at the next step with a checkpoint, exit status 75 (a second Ctrl-C stops at "
+        "once); none: signals act as by default",
+    )
     # --- tracking and the Hub
     with_tracking: bool = option(False, "log metrics through Accelerate's trackers")
     report_to: str = option("tensorboard", "tracker(s) for with_tracking: tensorboard, wandb, ... or all")
@@ -212,6 +222,12 @@ class TrainConfig(Config):
         self.check_best_model()
         if self.torch_compile_backend is not None:
             self.check_compile_backend()
+        if self.checkpointing_minutes is not None and not self.checkpointing_minutes > 0:
+            raise ValueError(
+                f"checkpointing_minutes must be a positive number of minutes, got {self.checkpointing_minutes}; "
+                "none saves on checkpointing_steps only."
+            )
+        parse_stop_signals(self.stop_signals)  # a ValueError naming an unknown signal or one this platform lacks
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("push_to_hub=True needs --hub_model_id ORG/NAME, the Hub repository to upload to.")
         check_model_fields(self.model)

@@ -43,6 +43,7 @@ STATE_NAME = "training_state.json"
 DATA_STATE_NAME = "data_state_{}.json"  # each process's position in its data (training.data: state_dict)
 CHECKPOINT_PATTERN = re.compile(r"step_(\d+)")
 TMP_SUFFIX = ".tmp"
+DELETING_SUFFIX = ".deleting"  # a checkpoint being deleted: never resumed from
 COMPILED_PREFIX = "_orig_mod."  # torch.compile's OptimizedModule holds the model as `_orig_mod`
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = (
@@ -110,6 +111,22 @@ def save_checkpoint(
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     accelerator.wait_for_everyone()
+    try:
+        write_checkpoint(
+            accelerator, output_dir, state, final, tmp, tokenizer, total_limit, sharded, data_state, keep_step
+        )
+    except BaseException:  # e.g. a second Ctrl-C (KeyboardInterrupt): no half-written folder stays behind
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    accelerator.wait_for_everyone()
+    return final
+
+
+def write_checkpoint(
+    accelerator, output_dir, state, final, tmp, tokenizer, total_limit, sharded, data_state, keep_step
+) -> None:
+    """``save_checkpoint``'s writing into ``tmp`` and the renaming to ``final``."""
     accelerator.save_state(str(tmp))  # every process: weights (main), optimizer, scheduler, its own RNG state
     if sharded is not None:
         save_sharded(*sharded, tmp)
@@ -123,13 +140,11 @@ def save_checkpoint(
     if accelerator.is_main_process:
         fsync_tree(tmp)
         if final.exists():  # saving the same step again (a resumed run that ends where it started)
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         os.replace(tmp, final)
         fsync_tree(final)
         rotate_checkpoints(output_dir, total_limit, keep_step)
         logger.info(f"Saved checkpoint {final}")
-    accelerator.wait_for_everyone()
-    return final
 
 
 def list_checkpoints(output_dir) -> list[pathlib.Path]:
@@ -141,6 +156,15 @@ def list_checkpoints(output_dir) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: int(CHECKPOINT_PATTERN.fullmatch(p.name).group(1)))
 
 
+def remove_checkpoint(folder: pathlib.Path) -> None:
+    """Delete a ``step_N`` folder by renaming it out of ``list_checkpoints``' sight first (atomic), so a process
+    killed while deleting never leaves a partly deleted ``step_N`` that could be taken for a checkpoint."""
+    doomed = folder.with_name(folder.name + DELETING_SUFFIX)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed)
+
+
 def rotate_checkpoints(output_dir, total_limit: int | None, keep_step: int | None = None) -> None:
     """Delete all but the newest ``total_limit`` checkpoints, and never ``step_{keep_step}`` (as Trainer keeps its
     ``best_model_checkpoint``)."""
@@ -148,7 +172,7 @@ def rotate_checkpoints(output_dir, total_limit: int | None, keep_step: int | Non
         return
     protected = pathlib.Path(output_dir) / f"step_{keep_step}"
     for old in [path for path in list_checkpoints(output_dir)[:-total_limit] if path != protected]:
-        shutil.rmtree(old)
+        remove_checkpoint(old)
         logger.info(f"Deleted old checkpoint {old}")
 
 

@@ -46,6 +46,7 @@ from .checkpointing import (
     save_checkpoint,
 )
 from .data import Prefetched, count_targets, real_tokens
+from .preemption import StopControl
 from .sharding import is_sharded, shard_model, step_only_when_synced
 
 logger = logging.getLogger(__name__)
@@ -433,7 +434,9 @@ def train(
     pin_memory = cfg.dataloader_pin_memory and accelerator.device.type == "cuda"
     micro_batches = Prefetched(batches.iterate(start=consumed()), cfg.prefetch_batches, pin_memory)
     parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
-    with contextlib.closing(micro_batches):  # the reading thread stops however the loop ends
+    # the reading thread stops however the loop ends; stop signals and the clock ask for checkpoints (preemption.py)
+    control = StopControl(cfg.stop_signals, cfg.checkpointing_minutes, accelerator.num_processes)
+    with contextlib.closing(micro_batches), control:
         bar = tqdm(
             total=max_steps,
             initial=state.step,
@@ -497,6 +500,11 @@ def train(
             eval_due = cfg.eval_steps is not None and state.step % cfg.eval_steps == 0 and not last
             eval_due = eval_due or (last and cfg.load_best_model_at_end)  # the last weights compete for the best
             checkpoint_due = cfg.checkpointing_steps is not None and (state.step % cfg.checkpointing_steps == 0 or last)
+            early_stop = False  # set by an evaluation under early_stopping_patience
+            stop, on_clock = control.poll(state.step)  # the same on every process; the last step ends the run as usual
+            stop = stop and not last
+            eval_due = eval_due and not stop  # a stopping run saves at once
+            checkpoint_due = checkpoint_due or stop or on_clock
             if not (log_due or eval_due or checkpoint_due):
                 continue
             window_time += time.perf_counter() - segment_start
@@ -537,17 +545,17 @@ def train(
                     improved = best.update(state, result)
                     # a new best is kept as a checkpoint (the last step's weights are at hand anyway)
                     checkpoint_due = checkpoint_due or (improved and best.keep_checkpoint and not last)
-                    stop = best.should_stop(state) and not last
+                    early_stop = best.should_stop(state) and not last
                     # the run ends here: its state stays resumable (unless its evaluation went bad)
                     finite = math.isfinite(result[best.metric])
-                    checkpoint_due = checkpoint_due or (stop and cfg.checkpointing_steps is not None and finite)
+                    checkpoint_due = checkpoint_due or (early_stop and cfg.checkpointing_steps is not None and finite)
                 bar.set_postfix(
                     loss=f"{train_loss:.4f}" if train_loss is not None else "-", eval=f"{result['eval_loss']:.4f}"
                 )
             if checkpoint_due:
                 state.elapsed_s = elapsed()
                 data_state = batches.state_dict(consumed()) if saves_position else None
-                save_checkpoint(
+                checkpoint = save_checkpoint(
                     accelerator,
                     cfg.output_dir,
                     state,
@@ -557,8 +565,13 @@ def train(
                     data_state=data_state,
                     keep_step=state.best_global_step if best.keep_checkpoint else None,
                 )
+                control.saved()
+                if stop:  # saved where every process stands: end the program with its own status
+                    bar.close()
+                    accelerator.end_training()
+                    raise control.stopped(checkpoint, state.step, log=accelerator.is_main_process)
             segment_start = time.perf_counter()
-            if stop:
+            if early_stop:
                 logger.info(
                     f"Early stopping at step {state.step}: {cfg.early_stopping_patience} evaluations without "
                     f"improving {best.metric} by more than {cfg.early_stopping_threshold} on the best, "

@@ -49,5 +49,7 @@ def run_program(main: Callable[[], None]) -> None:
         name, level = _levels_before.popitem()
         logging.getLogger(name).setLevel(level)
     gc.enable()
-    main()
-    gc.freeze()
+    try:
+        main()
+    finally:  # a run that stopped at a signal (training.preemption.RunStopped) exits as quickly
+        gc.freeze()
