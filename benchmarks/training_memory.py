@@ -182,9 +182,15 @@ ROWS = [
 ]  # fmt: skip
 
 
+# Bytes within which two figures count as equal: a few scalars (a target count, a loss) are not buffers
+SCALARS = 4096
+
+
 def goals(rows: list[dict]) -> list[dict]:
-    """decoderlab's saved and peak bytes against its reference's in the same mode: nanoGPT alone (what its
-    train.py runs) for the gpt2 preset, ``LlamaForCausalLM`` the same way for the llama preset."""
+    """decoderlab's saved and peak bytes against its reference's in the same mode (at most ``SCALARS`` bytes more):
+    nanoGPT alone (what its train.py runs) for the gpt2 preset, ``LlamaForCausalLM`` the same way for the llama
+    preset."""
+    slack = SCALARS / 1e6
     by = {(r["model"], r["mode"], r["route"], r["variant"]): r for r in rows}
     checks = []
     for (name, mode, route, variant), row in by.items():
@@ -198,7 +204,8 @@ def goals(rows: list[dict]) -> list[dict]:
         checks.append({"model": name, "mode": mode, "route": route, "reference": reference["model"],
                        "saved_ratio": row["saved_mb"] / reference["saved_mb"],
                        "peak_ratio": row["peak_mb"] / reference["peak_mb"],
-                       "passed": row["saved_mb"] <= reference["saved_mb"] and row["peak_mb"] <= reference["peak_mb"]})  # fmt: skip
+                       "passed": row["saved_mb"] <= reference["saved_mb"] + slack
+                       and row["peak_mb"] <= reference["peak_mb"] + slack})  # fmt: skip
     return checks
 
 
