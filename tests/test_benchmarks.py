@@ -211,6 +211,8 @@ def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
     ):
         assert rows[check]["details"]["tokens_per_s"] > 0, check
     assert math.isfinite(rows["shakespeare_char_gpu recipe"]["details"]["eval_loss"])
+    script = rows["training script (fineweb_edu_bpe shape)"]["details"]  # prepared shards, pretrain, the bare loop
+    assert script["tokens_per_s"] > 0 and script["bare_loop_tokens_per_s"] > 0 and script["data_wait_s"] >= 0
     for check in rows:
         assert any(line.startswith(check) for line in stdout.splitlines()), check  # the table's row
 

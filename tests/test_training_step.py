@@ -144,7 +144,7 @@ def test_outputs_in_compute_dtype_keeps_the_loss_and_changes_nothing_without_the
         assert plain.forward == forward
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_the_loss_and_its_gradient_are_cross_entropys(monkeypatch, compiled):
     """``causal_lm_loss`` with the lean path enabled from 0 logits (so eager takes it) equals
     ``F.cross_entropy``'s mean over the shifted targets in value and gradient (ignored targets included), eager
@@ -197,3 +197,18 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def test_training_memory_benchmark_measures_saved_and_peak_bytes():
+    """``benchmarks.training_memory`` at its quick shape, eager, through the model and through the loop's
+    Accelerate set-up: saved bytes and a peak that are positive, the peak at least the largest allocation and the
+    saved bytes (both are allocated inside the step), and a goal row comparing decoderlab with nanoGPT."""
+    from benchmarks import training_memory
+
+    rows = [training_memory.measure(name, "eager", route, quick=True)
+            for name, route in (("nanogpt", "model"), ("decoderlab-gpt2", "model"), ("decoderlab-gpt2", "accelerate"))]  # fmt: skip
+    for row in rows:
+        assert 0 < row["saved_mb"] <= row["peak_mb"] and 0 < row["largest_mb"][0] <= row["peak_mb"], row
+    checks = training_memory.goals(rows)
+    assert {(c["model"], c["route"], c["reference"]) for c in checks} == {("decoderlab-gpt2", "model", "nanogpt"),
+                                                                         ("decoderlab-gpt2", "accelerate", "nanogpt")}  # fmt: skip
