@@ -212,3 +212,18 @@ def test_training_memory_benchmark_measures_saved_and_peak_bytes():
     checks = training_memory.goals(rows)
     assert {(c["model"], c["route"], c["reference"]) for c in checks} == {("decoderlab-gpt2", "model", "nanogpt"),
                                                                          ("decoderlab-gpt2", "accelerate", "nanogpt")}  # fmt: skip
+
+
+def test_the_lean_loss_is_taken_only_eager_on_a_cpu_from_its_threshold(monkeypatch):
+    """Where the lean loss was measured to pay (eager, a CPU, from LEAN_LOSS_MIN_LOGITS logits) it is taken;
+    on any other device (meta tensors stand for one here) the plain F.cross_entropy is, the default until a
+    benchmark on that device says otherwise."""
+    calls = []
+    monkeypatch.setattr(kernels_decoderlab.CrossEntropyFunction, "forward",
+                        staticmethod(record_calls(kernels_decoderlab.CrossEntropyFunction.forward, calls)))  # fmt: skip
+    monkeypatch.setattr(kernels_decoderlab, "LEAN_LOSS_MIN_LOGITS", 100)
+    for device, rows, lean in (("cpu", 10, True), ("cpu", 9, False), ("meta", 10, False)):
+        calls.clear()
+        logits = torch.randn(2, rows // 2, 10, device=device)  # rows x 10 logits
+        causal_lm_loss(logits, torch.randint(0, 10, (2, rows // 2), device=device), 10)
+        assert bool(calls) == lean, (device, rows)
