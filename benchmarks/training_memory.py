@@ -1,7 +1,7 @@
 """What one bf16 training step keeps and allocates, compiled and eager: decoderlab against nanoGPT and Llama.
 
     python -m benchmarks.training_memory --json_out benchmarks/results/training_memory.json
-    python -m benchmarks.training_memory --quick    # a tiny shape, eager and aot_eager only (the smoke test)
+    python -m benchmarks.training_memory --quick    # a tiny shape, compiled with aot_eager: checks that it runs
 
 At a reduced GPT-2 shape (2 layers x 256 wide x 4 heads, block 256, batch 4, vocabulary 50304), bf16 autocast on
 a CPU, one forward with the loss and its backward (the optimizer's step is the same for every model and left out),
