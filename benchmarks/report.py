@@ -277,6 +277,25 @@ def loss_paths_rows(report: dict) -> list[Line]:
     return markdown_table(header, "lrrl", rows)
 
 
+def training_memory_rows(report: dict) -> list[Line]:
+    """One compiled / eager bf16 training step at the reduced GPT-2 shape: saved and peak bytes, the largest
+    allocations, and decoderlab's against its reference (``training_memory.goals``)."""
+    from benchmarks.training_memory import goals
+
+    checks = {(c["model"], c["mode"], c["route"]): c for c in goals(report["rows"])}
+    rows = []
+    for r in report["rows"]:
+        check = checks.get((r["model"], r["mode"], r["route"])) if not r["variant"] else None
+        verdict = "" if check is None else f"{'≤' if check['passed'] else '>'} {check['reference']}"
+        route = "model alone" if r["route"] == "model" else "training loop's Accelerate set-up"
+        what = f"`{r['model']}`" + (f" ({r['variant']}, as before issue 40)" if r["variant"] else "")
+        largest = ", ".join(f"{mb:.0f}" for mb in r["largest_mb"])
+        rows.append(([what, r["mode"], route, number(r["saved_mb"]), number(r["peak_mb"]), largest, verdict],
+                     "training_memory.json"))  # fmt: skip
+    header = ["model", "mode", "through", "saved for backward, MB", "peak, MB", "largest allocations, MB", "goal"]
+    return markdown_table(header, "lllrrll", rows)
+
+
 def eval_batch_rows(report: dict) -> list[Line]:
     chosen = str(report["recipe_batch_size"])
     rows = [
@@ -378,7 +397,14 @@ def short_measured(name: str, data: dict) -> str:
 
 
 def headline_rows(
-    shakespeare: dict, train: dict, decode: dict, compiled: dict, vllm: dict, onnx: dict, gguf: dict, prepare: dict,
+    shakespeare: dict,
+    train: dict,
+    decode: dict,
+    compiled: dict,
+    vllm: dict,
+    onnx: dict,
+    gguf: dict,
+    prepare: dict,
     resume: dict,
 ) -> list[Line]:
     """The README's few figures, each from its results file, each a link away from the rest."""
@@ -481,6 +507,7 @@ TABLES = [
     Table("rms-norm", ("rms_norm.json",), "kernels.md", rms_norm_rows),
     Table("loss-paths", ("loss_paths.json",), "kernels.md", loss_paths_rows),
     Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
+    Table("training-memory", ("training_memory.json",), "gpu-training-2026-12-04.md", training_memory_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
     Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
     Table(
@@ -554,7 +581,9 @@ def render(table_name: str, page: pathlib.Path) -> list[Line]:
         return gpu_check_lines(page)
     table = next(t for t in TABLES if t.name == table_name)
     loaded = {name: load(name) for name in table.sources}
-    if table.name == "headline":  # the headline: each row links its file; where and when in full on the performance page
+    if (
+        table.name == "headline"
+    ):  # the headline: each row links its file; where and when in full on the performance page
         where = (
             "the tables below give"
             if page == PERFORMANCE

@@ -221,11 +221,18 @@ class CrossEntropyFunction(torch.autograd.Function):
 # (64 MiB each at the threshold); below, through F.cross_entropy, transformers' own call, the faster one at small
 # vocabularies (`python -m benchmarks.investigations.loss_paths` times both on this machine)
 LEAN_LOSS_MIN_LOGITS = 2**24
+# The devices where the lean path was measured to pay, eager: a CPU (benchmarks/results/loss_paths.json). Elsewhere
+# the plain F.cross_entropy until a benchmark on that device says otherwise
+LEAN_LOSS_DEVICES = frozenset({"cpu"})
 
 
-def takes_lean_loss_path(num_logits: int) -> bool:
-    """Whether ``causal_lm_loss`` computes this many logits' loss through ``CrossEntropyFunction``."""
-    return num_logits >= LEAN_LOSS_MIN_LOGITS
+def takes_lean_loss_path(num_logits: int, device_type: str = "cpu") -> bool:
+    """Whether ``causal_lm_loss`` computes this many logits' loss, on a device of this type, through
+    ``CrossEntropyFunction``: eager only. Inside ``torch.compile`` the plain ``F.cross_entropy`` is always taken:
+    Inductor fuses its backward into one kernel writing the logits' gradient in their own dtype, where the lean
+    backward's in-place ``scatter_add_`` makes it write a float32 gradient the size of the logits first
+    (``benchmarks/training_memory.py`` shows the buffer)."""
+    return num_logits >= LEAN_LOSS_MIN_LOGITS and device_type in LEAN_LOSS_DEVICES and not is_torchdynamo_compiling()
 
 
 def causal_lm_loss(
@@ -239,13 +246,13 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss (same arguments, same value, computed in float32): position t predicts
     labels[t + 1]; the mean over targets that are not ``ignore_index``, or their sum / num_items_in_batch when
-    that is given (gradient accumulation): through ``F.cross_entropy``, as transformers computes it, or from
-    ``LEAN_LOSS_MIN_LOGITS`` logits on through ``CrossEntropyFunction``."""
+    that is given (gradient accumulation): through ``F.cross_entropy``, as transformers computes it, or, eager on a
+    CPU from ``LEAN_LOSS_MIN_LOGITS`` logits on, through ``CrossEntropyFunction`` (``takes_lean_loss_path``)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shift_labels.reshape(-1).to(logits.device)
     logits = logits.reshape(-1, vocab_size)
-    if takes_lean_loss_path(logits.numel()):
+    if takes_lean_loss_path(logits.numel(), logits.device.type):
         total = CrossEntropyFunction.apply(logits, targets, ignore_index)
     else:
         total = F.cross_entropy(upcast(logits), targets, ignore_index=ignore_index, reduction="sum")

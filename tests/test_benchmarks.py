@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from benchmarks import reference_nanogpt, shakespeare_char
+from benchmarks import gpu_mfu, reference_nanogpt, shakespeare_char
 from benchmarks.common import (
     Size,
     decoderlab_state_from_nanogpt,
@@ -154,20 +154,35 @@ def test_gpu_mfu_dry_run_compares_like_with_like(tmp_path):
     """``python -m benchmarks.gpu_mfu --dry_run`` (CPU, a tiny model), the script to run when a GPU is lent: all
     four variants train, MFU is the FLOP count times the throughput over the peak, and decoderlab and
     LlamaForCausalLM, holding the same weights and fed the same batch, end at the same loss in each mode."""
-    out = tmp_path / "mfu.json"
-    stdout = run_module("benchmarks.gpu_mfu", "--dry_run", "--json", str(out))
+    out, profile = tmp_path / "mfu.json", tmp_path / "profile.txt"
+    stdout = run_module("benchmarks.gpu_mfu", "--dry_run", "--json", str(out), "--profile", str(profile))
     report = json.loads(out.read_text())
     results = report["results"]
-    assert set(results) == {"decoderlab-compiled", "llama-compiled", "decoderlab-eager", "llama-eager"}
+    assert set(results) == set(gpu_mfu.VARIANTS)  # both presets beside their references (nanoGPT, Llama)
     peak = float(report["args"]["peak_tflops"]) * 1e12
-    for result in results.values():
+    for variant, result in results.items():
         assert result["tokens_per_s"] > 0
-        assert math.isclose(result["mfu"], report["flops_per_token"] * result["tokens_per_s"] / peak)
+        fpt = report["flops_per_token_by_model"][variant.split("-")[0]]
+        assert math.isclose(result["mfu"], fpt * result["tokens_per_s"] / peak)
+        assert result["top_kernels"] and f"## {variant}:" in profile.read_text()
+    assert {(g["variant"], g["reference"]) for g in report["goals"]} >= {("decoderlab_gpt2-compiled", "nanogpt-compiled"),
+                                                                         ("decoderlab-eager", "llama-eager")}  # fmt: skip
     for mode in ("compiled", "eager"):
         ours, reference = results[f"decoderlab-{mode}"], results[f"llama-{mode}"]
         assert math.isfinite(ours["final_loss"])
         assert abs(ours["final_loss"] - reference["final_loss"]) < 1e-3, mode
         assert f"decoderlab / Llama, {mode}:" in stdout
+
+
+@pytest.mark.parametrize("peak", ["0", "-5", "nan", "fast"])
+def test_gpu_mfu_refuses_a_peak_that_is_not_above_zero(peak, capsys):
+    """MFU divides by ``--peak_tflops``: zero, a negative number, nan or no number stops the script with one line
+    naming the value, before any model is built."""
+    with pytest.raises(SystemExit) as stopped:
+        gpu_mfu.main(["--dry_run", "--peak_tflops", peak])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--peak_tflops must" in error and peak in error, error
 
 
 @pytest.mark.slow
@@ -202,6 +217,8 @@ def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
     assert math.isfinite(recipe["saved_eval_loss"])
     assert recipe["saved_eval_loss"] == pytest.approx(recipe["saved_eval_loss_in_run"], rel=1e-5)
     assert math.isfinite(rows["nanoGPT reference recipe (whole command)"]["details"]["best_val_loss"])
+    script = rows["training script (fineweb_edu_bpe shape)"]["details"]  # prepared shards, pretrain, the bare loop
+    assert script["tokens_per_s"] > 0 and script["bare_loop_tokens_per_s"] > 0 and script["data_wait_s"] >= 0
     for check in rows:
         assert any(line.startswith(check) for line in stdout.splitlines()), check  # the table's row
 

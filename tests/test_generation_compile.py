@@ -125,7 +125,7 @@ def test_generate_script_falls_back_with_a_one_line_warning(checkpoint, capsys):
 
 def test_gpu_check_only_and_budget(tmp_path, capsys):
     """gpu_check --dry_run --only runs just the named checks (their rows, in the JSON too); a check whose H200
-    estimate would end past --budget_s (training: 100 s > 80 s) has a row saying it was skipped; an unknown name is
+    estimate would end past --budget_s (training: 190 s > 80 s) has a row saying it was skipped; an unknown name is
     refused, naming it."""
     out = tmp_path / "check.json"
     status = gpu_check.main(["--dry_run", "--only", "bf16", "generation_tokens", "training", "--budget_s", "80",

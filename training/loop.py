@@ -21,13 +21,15 @@ import os
 import pathlib
 import time
 from dataclasses import dataclass, field
+from types import MethodType
 
 import datasets
 import torch
 import transformers
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, extract_model_from_parallel
+from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -189,6 +191,27 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
     if cfg is not None:
         check_fsdp_launch(cfg, accelerator)
     return accelerator
+
+
+@contextlib.contextmanager
+def outputs_in_compute_dtype(model: nn.Module):
+    """Inside the block, ``model`` (as ``Accelerator.prepare`` returned it, or unwrapped) returns its outputs in the
+    dtype it computed them in: under mixed precision, Accelerate wraps ``forward`` in ``convert_outputs_to_fp32``
+    (autocast inside, a float32 copy of every half-precision output around it), which in training copies the logits
+    to float32 every micro-batch (16 x 1024 x 50304 x 4 bytes = 3.3 GB at GPT-2-small's shape) when only the loss,
+    already float32, is used. The autocast stays; the float32 wrapper is taken off for the block and put back after,
+    so the model the loop returns converts as Accelerate documents. Nothing changes without the wrapper."""
+    module = extract_model_from_parallel(model, keep_fp32_wrapper=True)
+    forward = module.__dict__.get("forward")
+    converting = getattr(getattr(forward, "__func__", None), "__wrapped__", None)
+    if not isinstance(converting, ConvertOutputsToFp32):
+        yield
+        return
+    module.forward = MethodType(converting.model_forward, module)  # the autocast forward it wraps
+    try:
+        yield
+    finally:
+        module.forward = forward
 
 
 def setup_script_logging(accelerator: Accelerator) -> None:
@@ -434,9 +457,10 @@ def train(
     pin_memory = cfg.dataloader_pin_memory and accelerator.device.type == "cuda"
     micro_batches = Prefetched(batches.iterate(start=consumed()), cfg.prefetch_batches, pin_memory)
     parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
-    # the reading thread stops however the loop ends; stop signals and the clock ask for checkpoints (preemption.py)
+    # the reading thread stops however the loop ends; stop signals and the clock ask for checkpoints (preemption.py);
+    # the loop uses losses only: no float32 copy of the logits
     control = StopControl(cfg.stop_signals, cfg.checkpointing_minutes, accelerator.num_processes)
-    with contextlib.closing(micro_batches), control:
+    with contextlib.closing(micro_batches), control, outputs_in_compute_dtype(model):
         bar = tqdm(
             total=max_steps,
             initial=state.step,
@@ -470,7 +494,10 @@ def train(
         model.train()
         while state.step < max_steps:
             step_batches = [next(micro_batches) for _ in range(cfg.gradient_accumulation_steps)]
-            num_items = sum(count_targets(batch["labels"]) for batch in step_batches).to(accelerator.device)
+            # counted on the CPU copies, copied without blocking the host (from pinned memory on CUDA)
+            num_items = sum(count_targets(batch["labels"]) for batch in step_batches)
+            num_items = num_items.pin_memory() if accelerator.device.type == "cuda" else num_items
+            num_items = num_items.to(accelerator.device, non_blocking=True)
             if accelerator.num_processes > 1:
                 num_items = accelerator.reduce(num_items, reduction="sum")
             num_items = num_items.clamp(min=1)  # a step without targets (none in practice) adds nothing
