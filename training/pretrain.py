@@ -20,7 +20,12 @@ import logging
 from accelerate.utils import set_seed
 
 from training.args import TrainConfig, parse_config
-from training.checkpointing import resolve_checkpoint
+from training.checkpointing import (
+    check_resume_fits,
+    claim_output_dir,
+    record_config,
+    resolve_checkpoint,
+)
 from training.data import prepare_data
 from training.finish import finish_run
 from training.loop import make_accelerator, setup_script_logging, train
@@ -37,10 +42,6 @@ def start_tokenizer(cfg: TrainConfig):
     if cfg.tokenizer_type == "pretrained":
         return load_base_tokenizer(cfg.tokenizer_name)
     logger.info(f"Using the tokenizer of {cfg.model_name_or_path} (tokenizer_type={cfg.tokenizer_type!r} is not used).")
-    if cfg.model:
-        logger.info(
-            f"The architecture is {cfg.model_name_or_path}'s; the model fields {sorted(cfg.model)} are not used."
-        )
     return load_base_tokenizer(cfg.model_name_or_path)
 
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     set_seed(cfg.seed)
 
     checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    claim_output_dir(accelerator, cfg, checkpoint, base_model=cfg.model_name_or_path)
     tokenizer = None  # built from the data (tokenizer_type), or a resumed run's own
     if cfg.model_name_or_path is not None and checkpoint is None:
         tokenizer = start_tokenizer(cfg)
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{model.num_parameters():,} parameters, {len(tokenizer)} tokens in the vocabulary, "
         f"{accelerator.num_processes} process(es) on {accelerator.device}, {len(eval_blocks)} validation blocks"
     )
+    check_resume_fits(checkpoint, cfg, model)
+    record_config(accelerator, cfg)
     result = train(model, batches, eval_blocks, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
     finish_run(
         accelerator, result, tokenizer, cfg, verb="Pretrained", scored=f"{len(eval_blocks)} validation blocks",

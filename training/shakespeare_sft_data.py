@@ -78,4 +78,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from training.program import run_program
+
+    run_program(main)
