@@ -297,7 +297,7 @@ RUN_OUTPUTS = (
     *RUN_MARKERS, "model-*.safetensors", "generation_config.json", "adapter", "adapter_model.safetensors",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "vocab.json", "merges.txt", "training_config.yaml", "run_info.json", "metrics.jsonl", "README.md",
-    "eval_results.json", "step_*",
+    "eval_results.json", "training_curve.png", "*_decoderlab.py", "step_*",
 )  # fmt: skip
 
 
@@ -394,7 +394,8 @@ def check_resume_fits(checkpoint: pathlib.Path | None, cfg, model: torch.nn.Modu
         for name in SHAPING_FIELDS:
             if recorded.get(name, _default(cfg, name)) != given.get(name):
                 differences.append(f"{name}: {recorded.get(name, _default(cfg, name))!r} -> {given.get(name)!r}")
-        before, now = recorded.get("model") or {}, given.get("model") or {}
+        from_scratch = recorded.get("model_name_or_path") is None and given.get("model_name_or_path") is None
+        before, now = (recorded.get("model") or {}, given.get("model") or {}) if from_scratch else ({}, {})
         for name in sorted(set(before) | set(now)):
             default = getattr(DecoderLabConfig(), name, None)
             if before.get(name, default) != now.get(name, default):
