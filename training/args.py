@@ -95,7 +95,8 @@ class TrainConfig(Config):
     prefetch_batches: int = option(4, "micro-batches a background thread reads ahead of the step (0: none)")
     dataloader_pin_memory: bool = option(True, "page-locked batches for faster copies to a CUDA device")
     allow_unknown_characters: bool = option(
-        False, "train even when over 1% of the characters are unknown to the tokenizer (they become its unk token)"
+        False,
+        "train even when over 1 percent of the characters are unknown to the tokenizer (they become its unk token)",
     )
     # --- tokenizer
     tokenizer_type: TOKENIZER_TYPES = option(
@@ -208,6 +209,11 @@ class TrainConfig(Config):
                 f"--model_name_or_path {self.model_name_or_path} trains that checkpoint's architecture, so the model "
                 f"fields {self.model} cannot apply. Remove the model mapping / --model.FIELD flags to train on from "
                 "it, or drop --model_name_or_path to train a new model of those fields from scratch."
+            )
+        if self.overwrite_output_dir and self.resume_from_checkpoint is not None:
+            raise ValueError(
+                "--overwrite_output_dir replaces the run in output_dir and --resume_from_checkpoint continues it: "
+                "pass one of them."
             )
         positions = self.model.get("max_position_embeddings")
         if isinstance(positions, int) and positions < self.block_size:

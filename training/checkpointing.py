@@ -321,11 +321,6 @@ def claim_output_dir(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | N
             f"--output_dir {cfg.output_dir} is the base checkpoint (--model_name_or_path): training would write over "
             "the weights it starts from. Pass another --output_dir."
         )
-    if cfg.overwrite_output_dir and cfg.resume_from_checkpoint is not None:
-        raise UsageError(
-            "--overwrite_output_dir replaces the run in --output_dir and --resume_from_checkpoint continues it: "
-            "pass one of them."
-        )
     held = previous_run(folder)
     if not held or (checkpoint is not None and checkpoint.resolve().parent == folder.resolve()):
         return  # a new folder, or this run continues the one it holds
@@ -370,11 +365,11 @@ CONFIG_NAME = "training_config.yaml"
 WRAPPER_PREFIXES = ("module.", COMPILED_PREFIX)  # DDP's and torch.compile's, in the names Accelerate saves
 
 
-def record_config(accelerator: Accelerator, cfg) -> None:
-    """Write ``cfg`` (the resolved configuration) into ``output_dir/training_config.yaml`` before the first step, so
-    that a resume from one of the run's checkpoints can be compared with it (``check_resume_fits``); the final folder
-    writes it again."""
-    if accelerator.is_main_process:
+def record_config(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | None) -> None:
+    """Write ``cfg`` (the resolved configuration) into ``output_dir/training_config.yaml`` before the first step of a
+    new run, so that a resume from one of its checkpoints can be compared with it (``check_resume_fits``); the final
+    folder writes it again. A resumed run (``checkpoint``) leaves the record as it is until it finishes."""
+    if checkpoint is None and accelerator.is_main_process:
         folder = pathlib.Path(cfg.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / CONFIG_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

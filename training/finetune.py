@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{accelerator.num_processes} process(es) on {accelerator.device}"
     )
     check_resume_fits(checkpoint, cfg, model)
-    record_config(accelerator, cfg)
+    record_config(accelerator, cfg, checkpoint)
     result = train(model, batches, eval_rows, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
     adapter_only = cfg.use_lora and not cfg.merge_lora
     scored = {"text": "tokens", "prompt_completion": "completion tokens", "chat": "assistant tokens"}[cfg.data_format]

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{accelerator.num_processes} process(es) on {accelerator.device}, {len(eval_blocks)} validation blocks"
     )
     check_resume_fits(checkpoint, cfg, model)
-    record_config(accelerator, cfg)
+    record_config(accelerator, cfg, checkpoint)
     result = train(model, batches, eval_blocks, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
     finish_run(
         accelerator, result, tokenizer, cfg, verb="Pretrained", scored=f"{len(eval_blocks)} validation blocks",
