@@ -213,6 +213,17 @@ def test_an_empty_or_blank_data_file_stops_every_script_before_anything_is_writt
     assert not out.exists() and folder_snapshot(learned_checkpoint) == before
 
 
+def test_text_too_short_for_a_block_leaves_no_folder_behind(tmp_path):
+    """A data file that cannot fill one block stops pretrain.py before its first step, and the folder the run had
+    started (its tokenizer saved for the other processes) is gone again."""
+    data = tmp_path / "short.txt"
+    data.write_text("To be, or not to be.\n")
+    with pytest.raises(ValueError, match="too short"):
+        pretrain.main(["--dataset_name", "none", "--train_file", str(data), "--output_dir", str(tmp_path / "out"),
+                       "--block_size", "64"])  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+
+
 def test_unknown_characters_are_counted_named_and_stop_training_above_one_percent(learned_checkpoint, caplog):
     """Issue 42 item 5: characters outside a character vocabulary became <|unk|> without a word. The check counts
     and names them once; above 1% of the characters it stops unless allowed; below it (or allowed) it warns."""
@@ -280,6 +291,13 @@ def test_generate_temperature_0_is_greedy_and_each_run_prints_its_seed(learned_c
     assert seeds[0] != seeds[1]
     generate.main([*common, "--seed", str(seeds[0])])
     assert capsys.readouterr().out == samples[0]
+
+
+def test_generate_names_the_prompt_characters_the_tokenizer_does_not_know(learned_checkpoint, caplog):
+    """Issue 42 item 5: `ROMEO 😀 said 42 times:` came back as `ROMEO  said  times:` without a word."""
+    with caplog.at_level(logging.WARNING, logger="training.data"):
+        generate.main([str(learned_checkpoint), "--prompt", "ROMEO 😀 said 42 times:", "--max_new_tokens", "2"])
+    assert "3 of the 22 characters of the prompt" in caplog.text and "'😀', '4', '2'" in caplog.text
 
 
 def test_a_nan_stop_without_a_checkpoint_does_not_advise_resuming_from_one(tmp_path):

@@ -181,13 +181,13 @@ UNKNOWN_CHARACTERS_SAMPLE = 100_000  # texts read to count them (the first N of 
 def unknown_characters(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) -> tuple[collections.Counter, int]:
     """(how often each character of ``texts`` that ``tokenizer`` can only encode as its unknown token occurs, the
     number of characters). Empty for a tokenizer without an unknown token (a byte-level BPE knows every text)."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return collections.Counter(), 0
     counts = collections.Counter()
     for text in texts:
         counts.update(text)
     total = sum(counts.values())
-    unk = tokenizer.unk_token_id
-    if unk is None:
-        return collections.Counter(), total
     unknown = collections.Counter()
     for char, n in counts.items():
         if unk in tokenizer(char, add_special_tokens=False)["input_ids"]:
@@ -905,10 +905,11 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None, to
     (fine-tuning: the base model's) is used as it is instead of ``tokenizer_for_run``'s."""
     with accelerator.main_process_first():
         train, validation = load_text_splits(cfg)
+    built_here = tokenizer is None and checkpoint is None and cfg.tokenizer_type != "pretrained"  # knows the data
     if tokenizer is None:
         tokenizer = tokenizer_for_run(cfg, accelerator, train, validation, checkpoint)
     for split, name in ((train, "the train split"), (validation, "the validation split")):  # every process stops
-        if split is not None:  # a tokenizer not built from this data may not know all of its characters
+        if split is not None and not built_here:  # a tokenizer not built from this data may not know its characters
             texts = iter_texts(split, cfg.text_column_name, UNKNOWN_CHARACTERS_SAMPLE)
             check_unknown_characters(tokenizer, texts, name, cfg.allow_unknown_characters, accelerator.is_main_process)
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)

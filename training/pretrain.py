@@ -16,6 +16,8 @@ from training.program import prepare_imports, run_program  # isort: skip (first)
 prepare_imports(__name__)
 
 import logging
+import pathlib
+import shutil
 
 from accelerate.utils import set_seed
 
@@ -57,7 +59,13 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.model_name_or_path is not None and checkpoint is None:
         tokenizer = start_tokenizer(cfg)
     read = prepared_batches if cfg.prepared_data is not None else prepare_data
-    tokenizer, batches, eval_blocks = read(cfg, accelerator, checkpoint, tokenizer=tokenizer)
+    new_folder = not pathlib.Path(cfg.output_dir).exists()
+    try:
+        tokenizer, batches, eval_blocks = read(cfg, accelerator, checkpoint, tokenizer=tokenizer)
+    except Exception:  # data that cannot train (too short, unknown characters): no folder holding only a tokenizer
+        if new_folder and accelerator.is_main_process:
+            shutil.rmtree(cfg.output_dir, ignore_errors=True)
+        raise
     if cfg.model_name_or_path is None:
         model = build_model(cfg.model, tokenizer, cfg.block_size)
     else:
