@@ -241,7 +241,7 @@ def recipe_run(setup: Setup) -> Row:
     output_dir = setup.output_dir / "shakespeare_char_gpu"
     command = [sys.executable, "-m", "training.pretrain",  # from REPO_ROOT: this checkout's scripts
                "--config", str(REPO_ROOT / "training" / "configs" / "shakespeare_char_gpu.yaml"),
-               "--dataset_name", setup.dataset_name, "--output_dir", str(output_dir),
+               "--dataset_name", setup.dataset_name, "--output_dir", str(output_dir), "--overwrite_output_dir",
                "--max_train_steps", str(setup.recipe_steps), "--checkpointing_steps", "none", "--eval_steps", "none",
                "--logging_steps", str(max(1, setup.recipe_steps // 6))]  # fmt: skip
     if setup.dry_run:  # a tiny model in float32 (the recipe's bf16 is a GPU setting)
