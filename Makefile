@@ -110,9 +110,10 @@ katex: $(KATEX_DIR)/.installed
 docs: venv katex
 	$(PY) -m mkdocs build --strict
 
+# a demo run again replaces the last one's result (--overwrite_output_dir): running it twice never fails
 demo: venv
 	$(PY) training/pretrain.py --config training/configs/shakespeare_char.yaml \
-		--dataset_name $(DATA) --output_dir $(OUT) $(DEMO_ARGS)
+		--dataset_name $(DATA) --output_dir $(OUT) --overwrite_output_dir $(DEMO_ARGS)
 	$(PY) training/generate.py $(OUT) --prompt "ROMEO:" --max_new_tokens 300
 
 # PYTEST_ARGS come last, so `make test PYTEST_ARGS="-k rope"` narrows the run and `-m slow` replaces the marker

@@ -64,7 +64,7 @@ def timed(command: list[str], threads: int) -> float:
 def run_ours(dataset: str, output_dir: pathlib.Path, threads: int, extra: list[str]) -> dict:
     """The default recipe's command; its loop time is the last training record's elapsed_s."""
     command = [sys.executable, str(REPO_ROOT / "training" / "pretrain.py"), "--config", str(RECIPE)]
-    command += ["--dataset_name", dataset, "--output_dir", str(output_dir), *extra]
+    command += ["--dataset_name", dataset, "--output_dir", str(output_dir), "--overwrite_output_dir", *extra]
     command_time = timed(command, threads)
     last_train = [r for r in read_metrics(output_dir / METRICS_NAME) if "train_loss" in r][-1]
     return {

@@ -152,7 +152,7 @@ def config_class_of(module_name: str, parser: argparse.ArgumentParser):
 
     from training.args import Config
 
-    flags = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    flags = {a.dest for a in parser._actions if a.dest not in ("help", "config", "debug")}
     module = importlib.import_module(module_name)
     for value in vars(module).values():
         if isinstance(value, type) and issubclass(value, Config) and value is not Config:
@@ -193,6 +193,10 @@ def config_flags_markdown(cls) -> str:
         rows.append(f"| `{flag}` | {cell(describe(hints[f.name]))} | {cell(default)} | {cell(f.metadata.get('help', ''))} |")
     if any(f.name == "model" for f in dataclasses.fields(cls)):
         rows.append("| `--model.FIELD VALUE` | | | one `DecoderLabConfig` field of `model` (see the configuration reference) |")
+    if parent is None:  # a subclass's table lists only its own flags
+        from training.args import DEBUG_HELP
+
+        rows.append(f"| `--debug` | switch | | {DEBUG_HELP} |")
     text = "\n".join(rows) + "\n"
     if parent is not None:
         text += f"\nEvery flag of `{parent.__name__}` works here too; the table lists the ones this script adds or gives another default.\n"

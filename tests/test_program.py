@@ -38,8 +38,9 @@ def test_as_a_program_the_collector_pauses_for_the_imports_runs_main_with_it_on_
     prepare_imports("__main__")
     assert not gc.isenabled()
     seen = []
-    run_program(lambda: seen.append(gc.isenabled()))
-    assert seen == [True]  # main ran, with the collector on
+    with pytest.raises(SystemExit) as stop:
+        run_program(lambda argv: seen.append(gc.isenabled()))
+    assert seen == [True] and stop.value.code == 0  # main ran, with the collector on
     assert gc.get_freeze_count() > 0  # what was left is frozen: the exit does not walk it again
 
 
@@ -52,7 +53,8 @@ def test_as_a_program_the_import_noise_is_quiet_until_main_which_sees_the_levels
     prepare_imports("__main__")
     assert all(logging.getLogger(name).level == logging.ERROR for name in QUIET_WHILE_IMPORTING)
     seen = []
-    run_program(lambda: seen.append([logging.getLogger(name).level for name in QUIET_WHILE_IMPORTING]))
+    with pytest.raises(SystemExit):
+        run_program(lambda argv: seen.append([logging.getLogger(name).level for name in QUIET_WHILE_IMPORTING]))
     assert seen == [[logging.INFO, logging.NOTSET]]
 
 

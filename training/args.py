@@ -28,6 +28,7 @@ import yaml
 from transformers import SchedulerType
 
 from decoderlab import DecoderLabConfig
+from decoderlab.cli import DEBUG_FLAG, UsageError
 
 from .preemption import DEFAULT_STOP_SIGNALS, parse_stop_signals
 
@@ -36,6 +37,7 @@ MIXED_PRECISION = Literal["no", "bf16", "fp16"]
 TOKEN_DTYPES = Literal["auto", "uint16", "uint32"]
 DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
 NONE_STRINGS = ("none", "null", "~")
+DEBUG_HELP = "show the full traceback of an error, not just its one error: line"
 TRUE_STRINGS = ("true", "yes", "1", "on")
 FALSE_STRINGS = ("false", "no", "0", "off")
 # metric_for_best_model: the names accepted (Trainer adds "eval_" to a name without it) -> the key of the
@@ -98,6 +100,10 @@ class TrainConfig(Config):
     )
     prefetch_batches: int = option(4, "micro-batches a background thread reads ahead of the step (0: none)")
     dataloader_pin_memory: bool = option(True, "page-locked batches for faster copies to a CUDA device")
+    allow_unknown_characters: bool = option(
+        False,
+        "train even when over 1 percent of the characters are unknown to the tokenizer (they become its unk token)",
+    )
     # --- tokenizer
     tokenizer_type: TOKENIZER_TYPES = option(
         "char", "char: one token per character; bpe: byte-level BPE trained on the data; pretrained: tokenizer_name"
@@ -165,6 +171,9 @@ class TrainConfig(Config):
         "signals that stop the run at the next step with a checkpoint, exit status 75 (a second Ctrl-C stops at "
         "once); none: signals act as by default",
     )
+    overwrite_output_dir: bool = option(
+        False, "replace the run output_dir holds (its model, checkpoints, records); without it such a folder is refused"
+    )
     # --- tracking and the Hub
     with_tracking: bool = option(False, "log metrics through Accelerate's trackers")
     report_to: str = option("tensorboard", "tracker(s) for with_tracking: tensorboard, wandb, ... or all")
@@ -231,6 +240,25 @@ class TrainConfig(Config):
         if self.push_to_hub and not self.hub_model_id:
             raise ValueError("push_to_hub=True needs --hub_model_id ORG/NAME, the Hub repository to upload to.")
         check_model_fields(self.model)
+        if self.model_name_or_path is not None and self.model:
+            raise ValueError(
+                f"--model_name_or_path {self.model_name_or_path} trains that checkpoint's architecture, so the model "
+                f"fields {self.model} cannot apply. Remove the model mapping / --model.FIELD flags to train on from "
+                "it, or drop --model_name_or_path to train a new model of those fields from scratch."
+            )
+        if self.overwrite_output_dir and self.resume_from_checkpoint is not None:
+            raise ValueError(
+                "--overwrite_output_dir replaces the run in output_dir and --resume_from_checkpoint continues it: "
+                "pass one of them."
+            )
+        positions = self.model.get("max_position_embeddings")
+        if isinstance(positions, int) and positions < self.block_size:
+            raise ValueError(
+                f"--block_size {self.block_size} is longer than model.max_position_embeddings={positions}: the "
+                f"model's config (and card) would promise a context of {positions} tokens for a model trained on "
+                f"{self.block_size}. Raise --model.max_position_embeddings to at least {self.block_size} (or leave "
+                "it unset: it follows --block_size), or lower --block_size."
+            )
 
     def check_compile_backend(self) -> None:
         if not self.torch_compile:
@@ -396,7 +424,10 @@ def coerce(name: str, value, hint):
         raise wrong
     if hint is dict or origin is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip() else {}
+            try:
+                value = yaml.safe_load(value) if value.strip() else {}
+            except yaml.YAMLError:
+                raise wrong from None
         if isinstance(value, dict):
             parse = parse_model_value if name == "model" else (lambda _, v: parse_scalar(v))
             return {key: parse(key, v) for key, v in value.items()}
@@ -443,7 +474,10 @@ def load_yaml(path) -> dict:
     path = pathlib.Path(path)
     if not path.is_file():
         raise ValueError(f"--config {path}: no such file. Recipes live in training/configs/.")
-    values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:  # names the line and column, not the file
+        raise ValueError(f"--config {path} is not valid YAML: {' '.join(str(err).split())}") from err
     if not isinstance(values, dict):
         raise ValueError(f"{path} must hold a mapping of field: value, not a {type(values).__name__}.")
     return values
@@ -476,7 +510,13 @@ def build_parser(cls: type[Config], **parser_kwargs) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML recipe whose values the other flags override")
     add_flags(parser, cls)
+    add_debug_flag(parser)
     return parser
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` in ``--help``: ``decoderlab.cli.run_command`` takes it off the command line before parsing."""
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
 
 
 def has_model(cls) -> bool:
@@ -484,9 +524,20 @@ def has_model(cls) -> bool:
 
 
 def parse_config(cls: type[Config] = TrainConfig, argv: list[str] | None = None, **parser_kwargs) -> Config:
-    """``cls`` from ``--config YAML`` (optional) overridden by the other flags of ``argv``."""
+    """``cls`` from ``--config YAML`` (optional) overridden by the other flags of ``argv``. A value no run can use,
+    an unknown field or a recipe that does not parse is a ``UsageError`` (a ValueError: exit status 2)."""
+    try:
+        return read_config(cls, argv, **parser_kwargs)
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
+def read_config(cls: type[Config], argv: list[str] | None, **parser_kwargs) -> Config:
     namespace, rest = build_parser(cls, **parser_kwargs).parse_known_args(argv)
     overrides = vars(namespace)
+    overrides.pop(DEBUG_FLAG.lstrip("-"), None)
     config_path = overrides.pop("config", None)
     values = load_yaml(config_path) if config_path else {}
     known = {f.name for f in dataclasses.fields(cls)}

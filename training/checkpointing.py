@@ -35,6 +35,9 @@ import torch
 import yaml
 from accelerate import Accelerator
 
+from decoderlab import DecoderLabConfig
+from decoderlab.cli import UsageError, UserError
+
 from .sharding import is_sharded, load_sharded, save_sharded, unsharded_copy
 
 logger = logging.getLogger(__name__)
@@ -322,3 +325,163 @@ def save_final_folder(
         (output_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
     accelerator.wait_for_everyone()
     return output_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# One run per folder
+
+# What shows that a folder holds a run's result: its model (or LoRA adapter) or its resumable checkpoints
+RUN_MARKERS = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json")
+# Everything a training run writes into its output_dir (``--overwrite_output_dir`` removes these, nothing else)
+RUN_OUTPUTS = (
+    *RUN_MARKERS, "model-*.safetensors", "generation_config.json", "adapter", "adapter_model.safetensors",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "vocab.json", "merges.txt", "training_config.yaml", "run_info.json", "metrics.jsonl", "README.md",
+    "eval_results.json", "training_curve.png", "*_decoderlab.py", "step_*",
+)  # fmt: skip
+
+
+def previous_run(output_dir) -> list[str]:
+    """The names in ``output_dir`` that show it holds a run already: its model files and ``step_N`` checkpoints."""
+    folder = pathlib.Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [name for name in RUN_MARKERS if (folder / name).exists()]
+    return found + [p.name for p in list_checkpoints(folder)]
+
+
+def claim_output_dir(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | None, base_model: str | None = None):
+    """Make ``cfg.output_dir`` this run's, before any data is read or step taken: a folder holding another run's model
+    or checkpoints is refused (``UserError`` naming ``--resume_from_checkpoint latest`` and ``--overwrite_output_dir``),
+    unless this run resumes one of its checkpoints or ``cfg.overwrite_output_dir`` asks to replace it, in which case
+    the main process removes every file a run writes there (``RUN_OUTPUTS``, and the trackers' folder) first."""
+    folder = pathlib.Path(cfg.output_dir)
+    if base_model is not None and pathlib.Path(base_model).resolve() == folder.resolve():
+        raise UsageError(
+            f"--output_dir {cfg.output_dir} is the base checkpoint (--model_name_or_path): training would write over "
+            "the weights it starts from. Pass another --output_dir."
+        )
+    held = previous_run(folder)
+    if not held or (checkpoint is not None and checkpoint.resolve().parent == folder.resolve()):
+        return  # a new folder, or this run continues the one it holds
+    if not cfg.overwrite_output_dir:
+        listed = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
+        if cfg.resume_from_checkpoint == "latest":
+            what = f"holds a run's model ({listed}) but no step_N checkpoint to resume from"
+            options = "Replace it with --overwrite_output_dir, or pass another --output_dir."
+        else:
+            what = f"holds another run ({listed})"
+            options = (
+                "Continue that run with --resume_from_checkpoint latest, replace it with --overwrite_output_dir, "
+                "or pass another --output_dir."
+            )
+        raise UserError(f"--output_dir {cfg.output_dir} {what}: a new run there would mix with it. {options}")
+    here = pathlib.Path.cwd().resolve()
+    if folder.resolve() in (here, *here.parents) or (folder / ".git").exists():
+        raise UsageError(
+            f"--overwrite_output_dir will not clear {cfg.output_dir}: it holds the working directory or a git "
+            "repository. Train into a folder of its own."
+        )
+    accelerator.wait_for_everyone()  # every process has looked at the folder before it changes
+    if accelerator.is_main_process:
+        doomed = {path for pattern in RUN_OUTPUTS for path in folder.glob(pattern)}
+        doomed |= {folder / cfg.project_name} if (folder / cfg.project_name).is_dir() else set()
+        for path in sorted(doomed):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        logger.info(f"--overwrite_output_dir: removed the previous run from {folder} ({len(doomed)} entries).")
+    accelerator.wait_for_everyone()
+
+
+# ----------------------------------------------------------------------------------------------
+# A resume that fits
+
+# The settings a checkpoint's weights and optimizer state depend on: another value builds other parameters or
+# other optimizer groups, which torch would refuse with a list of tensor names
+SHAPING_FIELDS = (
+    "model_name_or_path", "tokenizer_type", "tokenizer_name", "bpe_vocab_size", "add_special_tokens", "use_lora",
+    "lora_r", "lora_target_modules", "fsdp",
+)  # fmt: skip
+CONFIG_NAME = "training_config.yaml"
+WRAPPER_PREFIXES = ("module.", COMPILED_PREFIX)  # DDP's and torch.compile's, in the names Accelerate saves
+
+
+def record_config(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | None) -> None:
+    """Write ``cfg`` (the resolved configuration) into ``output_dir/training_config.yaml`` before the first step of a
+    new run, so that a resume from one of its checkpoints can be compared with it (``check_resume_fits``); the final
+    folder writes it again. A resumed run (``checkpoint``) leaves the record as it is until it finishes."""
+    if checkpoint is None and accelerator.is_main_process:
+        folder = pathlib.Path(cfg.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def check_resume_fits(checkpoint: pathlib.Path | None, cfg, model: torch.nn.Module) -> None:
+    """Before any weight is loaded from ``checkpoint``: a ``UsageError`` in one line naming every setting that
+    differs from the run that saved it (its ``training_config.yaml``, beside it: the checkpoint's value, then the one
+    given), or, where that record says nothing, every tensor whose name or shape differs from ``model``'s."""
+    if checkpoint is None:
+        return
+    recorded_path = pathlib.Path(checkpoint).parent / CONFIG_NAME
+    recorded = yaml.safe_load(recorded_path.read_text()) if recorded_path.is_file() else None
+    given = cfg.to_dict()
+    differences = []
+    if isinstance(recorded, dict):
+        for name in SHAPING_FIELDS:
+            if recorded.get(name, _default(cfg, name)) != given.get(name):
+                differences.append(f"{name}: {recorded.get(name, _default(cfg, name))!r} -> {given.get(name)!r}")
+        from_scratch = recorded.get("model_name_or_path") is None and given.get("model_name_or_path") is None
+        before, now = (recorded.get("model") or {}, given.get("model") or {}) if from_scratch else ({}, {})
+        for name in sorted(set(before) | set(now)):
+            default = getattr(DecoderLabConfig(), name, None)
+            if before.get(name, default) != now.get(name, default):
+                differences.append(f"model.{name}: {before.get(name, default)!r} -> {now.get(name, default)!r}")
+        if (recorded.get("embedding_learning_rate") is None) != (cfg.embedding_learning_rate is None):
+            differences.append(  # a third optimizer group, or none
+                f"embedding_learning_rate: {recorded.get('embedding_learning_rate')!r} -> {cfg.embedding_learning_rate!r}"
+            )
+    if not differences:
+        differences = tensor_differences(pathlib.Path(checkpoint), model)
+    if differences:
+        shown = "; ".join(differences[:8]) + ("; ..." if len(differences) > 8 else "")
+        raise UsageError(
+            f"--resume_from_checkpoint {checkpoint} does not fit this run (checkpoint's value -> given): {shown}. "
+            f"Resume with the checkpoint's settings, or start a new run (another --output_dir, or "
+            "--overwrite_output_dir without --resume_from_checkpoint)."
+        )
+
+
+def _default(cfg, name: str):
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    if name not in fields:
+        return None
+    f = fields[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def tensor_differences(checkpoint: pathlib.Path, model: torch.nn.Module) -> list[str]:
+    """The weights whose names or shapes differ between ``checkpoint/model.safetensors`` and ``model``: e.g.
+    ``model.layers.4.mlp.up_proj.weight: absent -> [256, 128]`` (nothing for a sharded checkpoint: no such file)."""
+    from safetensors import safe_open
+
+    path = checkpoint / "model.safetensors"
+    if not path.is_file():
+        return []
+    with safe_open(str(path), framework="pt") as f:
+        saved = {}
+        for key in f.keys():
+            name = key
+            for prefix in WRAPPER_PREFIXES:
+                name = name.removeprefix(prefix)
+            saved[name] = list(f.get_slice(key).get_shape())
+    state = model.state_dict()
+    own = {name: list(t.shape) for name, t in state.items()}
+    for name, tensor in state.items():  # a tied weight is saved once, under one of its names
+        if name not in saved and any(t is not tensor and t.data_ptr() == tensor.data_ptr() and other in saved
+                                     for other, t in state.items()):  # fmt: skip
+            saved[name] = own[name]
+    names = sorted(set(saved) | set(own), key=lambda n: (n not in saved or n not in own, n))
+    return [
+        f"{name}: {saved.get(name, 'absent')} -> {own.get(name, 'absent')}"
+        for name in names
+        if saved.get(name) != own.get(name)
+    ]

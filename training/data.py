@@ -21,6 +21,7 @@ Corpora too large to tokenize at every start are prepared once into token shards
 Batches follow the transformers convention: ``labels`` are the input ids and the model shifts them.
 """
 
+import collections
 import itertools
 import json
 import logging
@@ -119,10 +120,20 @@ def load_files(train_file: str, validation_file: str | None = None, streaming: b
             raise ValueError(
                 f"Data file {path} does not exist. Check the path given to --train_file/--validation_file."
             )
+        check_not_empty(path)
     suffix = pathlib.Path(train_file).suffix
     # text files: one row per line, line breaks kept, so concatenating the rows gives the file back
     extra = {"keep_linebreaks": True} if suffix == ".txt" else {}
     return datasets.load_dataset(BUILDERS[suffix], data_files=data_files, streaming=streaming, **extra)
+
+
+def check_not_empty(path) -> None:
+    """A ValueError for a data file without text: empty, or (up to 1 MB) whitespace only. ``datasets`` would stop
+    at an empty file with a schema error, and a blank one leaves nothing to train on or score."""
+    size = pathlib.Path(path).stat().st_size
+    if size == 0 or (size <= 2**20 and not pathlib.Path(path).read_bytes().strip()):
+        what = "empty (0 bytes)" if size == 0 else "whitespace only"
+        raise ValueError(f"Data file {path} is {what}: there is no text in it. Pass a file holding the data.")
 
 
 def load_named_dataset(name: str, config_name: str | None = None, streaming: bool = False) -> dict[str, TextSplit]:
@@ -161,6 +172,53 @@ def iter_texts(split: TextSplit, column: str, limit: int | None = None) -> Itera
     else:
         rows = (text for batch in split.select_columns(column).iter(batch_size=1000) for text in batch[column])
     return itertools.islice(rows, limit)
+
+
+UNKNOWN_CHARACTERS_LIMIT = 0.01  # above this share of a data set's characters unknown to the tokenizer, a run stops
+UNKNOWN_CHARACTERS_SAMPLE = 100_000  # texts read to count them (the first N of a split)
+
+
+def unknown_characters(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) -> tuple[collections.Counter, int]:
+    """(how often each character of ``texts`` that ``tokenizer`` can only encode as its unknown token occurs, the
+    number of characters). Empty for a tokenizer without an unknown token (a byte-level BPE knows every text)."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return collections.Counter(), 0
+    counts = collections.Counter()
+    for text in texts:
+        counts.update(text)
+    total = sum(counts.values())
+    unknown = collections.Counter()
+    for char, n in counts.items():
+        if unk in tokenizer(char, add_special_tokens=False)["input_ids"]:
+            unknown[char] = n
+    return unknown, total
+
+
+def check_unknown_characters(
+    tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], where: str, allow: bool | None = False, warn=True
+) -> None:
+    """Warn once, naming them, when ``texts`` hold characters ``tokenizer`` encodes as its unknown token; above
+    ``UNKNOWN_CHARACTERS_LIMIT`` of the characters a ValueError unless ``allow`` (None: warn only, e.g. a prompt
+    or an evaluation). ``where`` names the data, e.g. "the train split"; ``warn=False``: no warning (processes but
+    the first)."""
+    unknown, total = unknown_characters(tokenizer, texts)
+    if not unknown:
+        return
+    n = sum(unknown.values())
+    listed = ", ".join(repr(char) for char, _ in unknown.most_common(20)) + (" ..." if len(unknown) > 20 else "")
+    share = n / max(total, 1)
+    message = (
+        f"{n:,} of the {total:,} characters of {where} ({share:.1%}; {len(unknown)} distinct: {listed}) are not in "
+        f"the tokenizer's vocabulary and become {tokenizer.unk_token}"
+    )
+    if share > UNKNOWN_CHARACTERS_LIMIT and allow is False:
+        raise ValueError(
+            f"{message}: more than {UNKNOWN_CHARACTERS_LIMIT:.0%}, so the model would learn from text it cannot see. "
+            "Clean the data, use a tokenizer that covers it, or pass --allow_unknown_characters to train anyway."
+        )
+    if warn:
+        logger.warning(f"{message}.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +320,7 @@ class CharEncoder:
                 )
             if new := set(unknown) - self.unknown:
                 self.unknown |= new
-                logger.warning(f"Characters outside the character vocabulary become {UNK_TOKEN}: {sorted(new)}")
+                logger.info(f"Characters outside the character vocabulary become {UNK_TOKEN}: {sorted(new)}")
         return ids
 
 
@@ -847,8 +905,13 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None, to
     (fine-tuning: the base model's) is used as it is instead of ``tokenizer_for_run``'s."""
     with accelerator.main_process_first():
         train, validation = load_text_splits(cfg)
+    built_here = tokenizer is None and checkpoint is None and cfg.tokenizer_type != "pretrained"  # knows the data
     if tokenizer is None:
         tokenizer = tokenizer_for_run(cfg, accelerator, train, validation, checkpoint)
+    for split, name in ((train, "the train split"), (validation, "the validation split")):  # every process stops
+        if split is not None and not built_here:  # a tokenizer not built from this data may not know its characters
+            texts = iter_texts(split, cfg.text_column_name, UNKNOWN_CHARACTERS_SAMPLE)
+            check_unknown_characters(tokenizer, texts, name, cfg.allow_unknown_characters, accelerator.is_main_process)
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
     with accelerator.main_process_first():
         if cfg.streaming:

@@ -31,11 +31,19 @@ from transformers import AutoModelForCausalLM
 import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
 from decoderlab.model_card import add_eval_results
 from training.args import Config, option, parse_config
-from training.data import count_targets, load_files, load_named_dataset, too_short_error
+from training.data import (
+    UNKNOWN_CHARACTERS_SAMPLE,
+    check_unknown_characters,
+    count_targets,
+    iter_texts,
+    load_files,
+    load_named_dataset,
+    too_short_error,
+)
 from training.finetune_args import DATA_FORMATS, OVERLONG_PROMPT
 from training.loop import evaluate, make_accelerator, setup_script_logging
-from training.models import load_base_tokenizer
-from training.sft_data import ExampleFormat, rows_for_split, set_chat_template
+from training.models import check_positions_fit, load_base_tokenizer
+from training.sft_data import ExampleFormat, example_texts, rows_for_split, set_chat_template
 
 logger = logging.getLogger("training.evaluate")
 
@@ -113,11 +121,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if cfg.block_size is None:
         cfg.block_size = default_block_size(cfg.checkpoint, model)
+    check_positions_fit(model.config, cfg.block_size, cfg.checkpoint)
 
     split_name = pathlib.Path(cfg.data_file).name if cfg.data_file else cfg.split  # a file is a split of its own
     split = load_split(cfg)
+    fmt = ExampleFormat.of(cfg)
+    texts = iter_texts(split, cfg.text_column_name, UNKNOWN_CHARACTERS_SAMPLE) if cfg.data_format == "text" else None
+    check_unknown_characters(tokenizer, texts or example_texts(split, fmt), f"the {split_name} split", allow=None)
     lines = cfg.data_file is not None and cfg.data_file.endswith(".txt")  # a text file's rows are its lines
-    rows = rows_for_split(split, tokenizer, ExampleFormat.of(cfg), split_name, documents=not lines)
+    rows = rows_for_split(split, tokenizer, fmt, split_name, documents=not lines)
     rows = rows if isinstance(rows, dict) else {"input_ids": rows, "labels": rows}
     rows = {name: x[: cfg.max_eval_samples] for name, x in rows.items()}
     if len(rows["input_ids"]) == 0:

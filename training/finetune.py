@@ -33,7 +33,12 @@ from transformers import PreTrainedModel
 from decoderlab import DecoderLabConfig
 from decoderlab.model_card import public_dataset_name
 from training.args import parse_config
-from training.checkpointing import resolve_checkpoint
+from training.checkpointing import (
+    check_resume_fits,
+    claim_output_dir,
+    record_config,
+    resolve_checkpoint,
+)
 from training.finetune_args import FinetuneConfig
 from training.finish import finish_run
 from training.loop import make_accelerator, setup_script_logging, train
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = make_accelerator(cfg)
     setup_script_logging(accelerator)
     set_seed(cfg.seed)
+    checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    claim_output_dir(accelerator, cfg, checkpoint, base_model=cfg.model_name_or_path)
 
     # Everything that can be wrong is checked here, before the first step: tokenizer, model, data, LoRA.
     own_tokenizer = cfg.tokenizer_name == cfg.model_name_or_path
@@ -134,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{method(cfg)}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters train; "
         f"{accelerator.num_processes} process(es) on {accelerator.device}"
     )
-    checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    check_resume_fits(checkpoint, cfg, model)
+    record_config(accelerator, cfg, checkpoint)
     result = train(model, batches, eval_rows, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
     adapter_only = cfg.use_lora and not cfg.merge_lora
     scored = {"text": "tokens", "prompt_completion": "completion tokens", "chat": "assistant tokens"}[cfg.data_format]

@@ -22,12 +22,18 @@ from training.program import prepare_imports, run_program  # isort: skip (first)
 prepare_imports(__name__)
 
 import argparse
+import random
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
+from decoderlab.cli import UsageError
 from decoderlab.generation import COMPILE_CHOICES, generate, set_compiled_decoding
+from training.args import add_debug_flag
+from training.data import check_unknown_characters
+from training.models import check_model_folder, check_positions_fit
 
 
 def generate_in_window(
@@ -66,11 +72,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="folder or Hub id of a saved model and tokenizer")
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--max_new_tokens", type=int, default=300)
-    parser.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's generation config")
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="default: the checkpoint's generation config; 0 means greedy"
+    )
     parser.add_argument("--top_k", type=int, default=None, help="default: the checkpoint's generation config")
     parser.add_argument("--greedy", action="store_true", help="most likely token each step instead of sampling")
     parser.add_argument("--num_samples", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed of the sampling (default: a fresh one each run, printed to stderr)"
+    )
     parser.add_argument("--window", type=int, default=None, help="context window (default: max_position_embeddings)")
     parser.add_argument(
         "--stop", action="append", default=None, metavar="TEXT", help="end a sample where TEXT appears (repeatable)"
@@ -79,8 +89,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="static KV cache + compiled decoding step (auto: on for CUDA, off for CPU)")  # fmt: skip
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend of --compile (eager: capture the graph only, for checks)")  # fmt: skip
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "num_samples", "window", "top_k"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be a positive integer, got {getattr(args, name)}.")
+    if args.temperature is not None and args.temperature < 0:
+        parser.error(f"--temperature must be 0 (greedy) or more, got {args.temperature}.")
 
+    check_model_folder(args.checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
     model.to("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,17 +105,23 @@ def main(argv: list[str] | None = None) -> None:
     try:
         input_ids = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt").input_ids
     except Exception as err:  # e.g. a character the character-level vocabulary does not have
-        raise SystemExit(
+        raise ValueError(
             f"The prompt {args.prompt!r} cannot be tokenized by {args.checkpoint}'s tokenizer: {err}"
         ) from err
     if input_ids.shape[1] == 0:
-        raise SystemExit("The prompt is empty after tokenization; pass some text with --prompt.")
+        raise UsageError("The prompt is empty after tokenization; pass some text with --prompt.")
+    check_unknown_characters(tokenizer, [args.prompt], "the prompt", allow=None)
     input_ids = input_ids.to(model.device)
     window = args.window or model.config.max_position_embeddings
-    options = {"do_sample": not args.greedy}
-    if not args.greedy:
+    if args.window is not None:
+        check_positions_fit(model.config, args.window, args.checkpoint, flag="--window")
+    greedy = args.greedy or args.temperature == 0  # the limit of sampling as the temperature goes to 0
+    options = {"do_sample": not greedy}
+    if not greedy:
         options.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k)) if v is not None})
-    torch.manual_seed(args.seed)
+        seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+        print(f"seed {seed} (--seed {seed} repeats these samples)", file=sys.stderr)
+        torch.manual_seed(seed)
     with torch.no_grad():
         for i in range(args.num_samples):
             ids = generate_in_window(model, input_ids, args.max_new_tokens, window, args.stop, tokenizer, **options)

@@ -638,7 +638,12 @@ def non_finite_error(loss: float, step: int, cfg: TrainConfig, history: list[dic
     return NonFiniteLossError(
         f"The training loss is {loss} at step {step}: training diverged, so the run stopped. {last_good} "
         f"Lower --learning_rate (now {cfg.learning_rate}), lengthen --num_warmup_steps (now {cfg.num_warmup_steps}) "
-        f"or lower --max_grad_norm (now {cfg.max_grad_norm}), and start again, or resume from that checkpoint "
-        "with --resume_from_checkpoint latest to retry from there.",
+        f"or lower --max_grad_norm (now {cfg.max_grad_norm}), and start again"
+        + (
+            " (--overwrite_output_dir), or resume from that checkpoint with --resume_from_checkpoint latest to retry "
+            "from there."
+            if checkpoints
+            else " (--overwrite_output_dir replaces this run)."
+        ),
         history,
     )

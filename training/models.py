@@ -11,6 +11,7 @@
   padding token (made before the scripts' tokenizers had them) is refused for fine-tuning, or given them.
 """
 
+import logging
 import pathlib
 
 import torch
@@ -33,24 +34,49 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 CONVERTIBLE = {"llama": "llama", "gpt2": "gpt2", "gpt_neox": "neox"}
 FIXED_POSITION_TABLES = ("learned", "sinusoidal")  # one embedding per position, up to max_position_embeddings
 
+logger = logging.getLogger(__name__)
 
-def check_model_fits(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, block_size: int, name: str) -> None:
-    """A ValueError unless the model ``name`` embeds every token id of ``tokenizer`` and, with a position table
-    (learned or sinusoidal), has an entry for each of ``block_size`` positions. RoPE and no positions have
-    no such limit."""
+
+def check_model_fits(
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    block_size: int,
+    name: str,
+    *,
+    new_model: bool = False,
+    flag: str = "--block_size",
+) -> None:
+    """A ValueError unless the model ``name`` embeds every token id of ``tokenizer`` and has a position for each
+    of ``block_size`` tokens: with a position table (learned or sinusoidal) always; with RoPE or no positions only
+    for a ``new_model``, whose ``max_position_embeddings`` is the context it is built and recorded for (an existing
+    RoPE model can be trained or run on longer blocks than it has seen). ``flag`` is the option that set the length."""
     if config.vocab_size < len(tokenizer):
         raise ValueError(
             f"The tokenizer has {len(tokenizer)} tokens but {name} embeds only vocab_size={config.vocab_size}: "
             "some token ids would have no embedding. Use the tokenizer the model was trained with, or, for a new "
             "model, leave model.vocab_size unset (it follows the tokenizer) or make it at least that large."
         )
+    check_positions_fit(config, block_size, name, new_model=new_model, flag=flag)
+
+
+def check_positions_fit(config: PretrainedConfig, length: int, name: str, *, new_model=False, flag="--block_size"):
+    """The position half of ``check_model_fits``: a ValueError naming ``flag`` and both lengths."""
     position_type = getattr(config, "position_embedding_type", None)
-    if position_type in FIXED_POSITION_TABLES and config.max_position_embeddings < block_size:
+    if config.max_position_embeddings >= length or not (new_model or position_type in FIXED_POSITION_TABLES):
+        return
+    if new_model:
         raise ValueError(
-            f"block_size={block_size} is longer than the {config.max_position_embeddings} positions of {name}'s "
-            f"{position_type} position table (max_position_embeddings). Lower --block_size to at most that, or, "
-            "for a new model, raise model.max_position_embeddings."
+            f"{flag} {length} is longer than the new model's max_position_embeddings={config.max_position_embeddings}: "
+            f"its config (and model card) would promise a context of {config.max_position_embeddings} tokens for a "
+            f"model trained on {length}. Raise --model.max_position_embeddings to at least {length} (or leave it "
+            f"unset: it follows {flag}), or lower {flag}."
         )
+    raise ValueError(
+        f"{flag} {length} is longer than the {config.max_position_embeddings} positions of {name}'s "
+        f"{position_type} position table (max_position_embeddings): it has no embedding for a position past "
+        f"{config.max_position_embeddings - 1}. Lower {flag} to at most {config.max_position_embeddings}."
+        + (" For a new model, raise model.max_position_embeddings." if flag == "--block_size" else "")
+    )
 
 
 def missing_special_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -113,10 +139,23 @@ def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: in
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         fields.setdefault(name, getattr(tokenizer, name))
     config = DecoderLabConfig(**fields)
-    check_model_fits(config, tokenizer, block_size, "the model")
+    check_model_fits(config, tokenizer, block_size, "the model", new_model=True)
     model = DecoderLabForCausalLM(config)
     set_sampling_defaults(model, tokenizer)
     return model
+
+
+def check_model_folder(name: str) -> None:
+    """A ValueError for a folder that holds a resumable ``step_N`` checkpoint (Accelerate's state: weights, optimizer,
+    no config.json) instead of a model, saying where the model is; anything else is left to ``from_pretrained``."""
+    folder = pathlib.Path(name)
+    if folder.is_dir() and (folder / "training_state.json").is_file() and not (folder / "config.json").is_file():
+        raise ValueError(
+            f"{name} is a resumable training checkpoint (optimizer and data state for --resume_from_checkpoint), not "
+            f"a model folder: it has no config.json. The run's model is saved in {folder.parent} when training ends; "
+            f"to continue training from this step, run the training script again with --resume_from_checkpoint "
+            f"{name}."
+        )
 
 
 def local_or_hub(name: str) -> str:
@@ -127,6 +166,7 @@ def local_or_hub(name: str) -> str:
 
 def load_base_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False):
     """The tokenizer of a checkpoint folder or Hub id, or a ValueError saying it is missing and what to do."""
+    check_model_folder(name)
     folder = pathlib.Path(name)
     if folder.is_dir() and not any((folder / file).is_file() for file in TOKENIZER_FILES):
         raise ValueError(
@@ -166,6 +206,12 @@ def load_base_model(
             f"(and convert from {', '.join(CONVERTIBLE)} with python -m decoderlab.convert)."
         )
     check_model_fits(config, tokenizer, block_size, name)
+    if block_size > config.max_position_embeddings:  # RoPE or no positions: trained on longer blocks, its context grows
+        logger.info(
+            f"{name} has max_position_embeddings={config.max_position_embeddings}; training on blocks of "
+            f"{block_size} tokens extends it, so the result records max_position_embeddings={block_size}."
+        )
+        config.max_position_embeddings = block_size
     return AutoModelForCausalLM.from_pretrained(
         local_or_hub(name), config=config, revision=revision, trust_remote_code=trust_remote_code, dtype=torch.float32
     )

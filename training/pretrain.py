@@ -16,11 +16,18 @@ from training.program import prepare_imports, run_program  # isort: skip (first)
 prepare_imports(__name__)
 
 import logging
+import pathlib
+import shutil
 
 from accelerate.utils import set_seed
 
 from training.args import TrainConfig, parse_config
-from training.checkpointing import resolve_checkpoint
+from training.checkpointing import (
+    check_resume_fits,
+    claim_output_dir,
+    record_config,
+    resolve_checkpoint,
+)
 from training.data import prepare_data
 from training.finish import finish_run
 from training.loop import make_accelerator, setup_script_logging, train
@@ -37,10 +44,6 @@ def start_tokenizer(cfg: TrainConfig):
     if cfg.tokenizer_type == "pretrained":
         return load_base_tokenizer(cfg.tokenizer_name)
     logger.info(f"Using the tokenizer of {cfg.model_name_or_path} (tokenizer_type={cfg.tokenizer_type!r} is not used).")
-    if cfg.model:
-        logger.info(
-            f"The architecture is {cfg.model_name_or_path}'s; the model fields {sorted(cfg.model)} are not used."
-        )
     return load_base_tokenizer(cfg.model_name_or_path)
 
 
@@ -51,11 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     set_seed(cfg.seed)
 
     checkpoint = resolve_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    claim_output_dir(accelerator, cfg, checkpoint, base_model=cfg.model_name_or_path)
     tokenizer = None  # built from the data (tokenizer_type), or a resumed run's own
     if cfg.model_name_or_path is not None and checkpoint is None:
         tokenizer = start_tokenizer(cfg)
     read = prepared_batches if cfg.prepared_data is not None else prepare_data
-    tokenizer, batches, eval_blocks = read(cfg, accelerator, checkpoint, tokenizer=tokenizer)
+    new_folder = not pathlib.Path(cfg.output_dir).exists()
+    try:
+        tokenizer, batches, eval_blocks = read(cfg, accelerator, checkpoint, tokenizer=tokenizer)
+    except Exception:  # data that cannot train (too short, unknown characters): no folder holding only a tokenizer
+        if new_folder and accelerator.is_main_process:
+            shutil.rmtree(cfg.output_dir, ignore_errors=True)
+        raise
     if cfg.model_name_or_path is None:
         model = build_model(cfg.model, tokenizer, cfg.block_size)
     else:
@@ -65,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{model.num_parameters():,} parameters, {len(tokenizer)} tokens in the vocabulary, "
         f"{accelerator.num_processes} process(es) on {accelerator.device}, {len(eval_blocks)} validation blocks"
     )
+    check_resume_fits(checkpoint, cfg, model)
+    record_config(accelerator, cfg, checkpoint)
     result = train(model, batches, eval_blocks, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
     finish_run(
         accelerator, result, tokenizer, cfg, verb="Pretrained", scored=f"{len(eval_blocks)} validation blocks",

@@ -19,10 +19,17 @@ off the console (``QUIET_WHILE_IMPORTING``): with the ``dev`` extra installed, t
 imports torchao, which says it failed to load its CUDA kernels on a CPU build of torch and trips a deprecation in
 torch's pytree registry; neither concerns a training script. Their loggers get their levels back before ``main``
 runs. Imported as a module (tests, notebooks), a script changes nothing.
+
+A user's mistake ends the program with one ``error: ...`` line (``decoderlab.cli.run_command``): exit status 2 for
+a flag's value or flags that do not go together (``UsageError``), 1 for other expected errors (a missing file, a
+folder holding another run, bad data); ``--debug`` anywhere on the command line shows the traceback too. Launched
+as several processes (torchrun, ``accelerate launch``), only the first (``RANK`` 0) prints that line; the others
+exit with the same status in silence.
 """
 
 import gc
 import logging
+import os
 from collections.abc import Callable
 
 # Loggers whose warnings at import time are about optional packages, not about the run
@@ -42,14 +49,27 @@ def prepare_imports(module_name: str) -> None:
         logger.setLevel(logging.ERROR)
 
 
-def run_program(main: Callable[[], None]) -> None:
-    """Give the quieted loggers their levels back, run ``main`` with the collector on, then freeze what is left so
-    the exit does not walk it again."""
+def run_program(main: Callable[[list[str]], object]) -> None:
+    """Give the quieted loggers their levels back, run ``main(argv)`` with the collector on under
+    ``decoderlab.cli.run_command`` (one line for a user's mistake), then freeze what is left so the exit does not
+    walk it again. Exits with ``main``'s status (an int it returns, else 0); never returns."""
+    from decoderlab.cli import USER_ERRORS, exit_status, run_command  # after prepare_imports: decoderlab imports torch
+
     while _levels_before:
         name, level = _levels_before.popitem()
         logging.getLogger(name).setLevel(level)
     gc.enable()
-    try:
-        main()
-    finally:  # a run that stopped at a signal (training.preemption.RunStopped) exits as quickly
-        gc.freeze()
+    first_process = int(os.environ.get("RANK", "0")) == 0  # torchrun and accelerate launch set RANK per process
+
+    def program(argv: list[str]) -> int | None:
+        try:
+            status = main(argv)
+        except USER_ERRORS as err:
+            if first_process:
+                raise
+            raise SystemExit(exit_status(err)) from None  # the first process says it once
+        finally:  # a run that stopped at a signal (training.preemption.RunStopped) exits as quickly
+            gc.freeze()
+        return status if isinstance(status, int) and not isinstance(status, bool) else None
+
+    run_command(program)

@@ -28,6 +28,7 @@ scores, so the rest of fine-tuning is the pretraining loop.
 """
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +39,17 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
-from .data import IGNORE_INDEX, BlockBatches, Packing, block_tensor, load_splits, pack, prepare_data
+from .data import (
+    IGNORE_INDEX,
+    UNKNOWN_CHARACTERS_SAMPLE,
+    BlockBatches,
+    Packing,
+    block_tensor,
+    check_unknown_characters,
+    load_splits,
+    pack,
+    prepare_data,
+)
 from .finetune_args import DATA_FORMATS, OVERLONG_PROMPT, FinetuneConfig
 
 logger = logging.getLogger(__name__)
@@ -196,6 +207,19 @@ def tokenize_example(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: Example
         ids += piece
         labels += piece if target else [IGNORE_INDEX] * len(piece)
     return {"input_ids": ids, "labels": labels}
+
+
+def example_texts(split: datasets.Dataset, fmt: ExampleFormat) -> Iterator[str]:
+    """The texts the examples of ``split`` hold (the first ``UNKNOWN_CHARACTERS_SAMPLE``): a text, a prompt and its
+    completion, or each message's content."""
+    for row in itertools.islice(split.select_columns(fmt.columns()), UNKNOWN_CHARACTERS_SAMPLE):
+        if fmt.data_format == "chat":
+            messages = row[fmt.messages_column_name]
+            yield from (
+                m["content"] for m in messages or [] if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
+        else:
+            yield from (row[column] for column in fmt.columns() if isinstance(row[column], str))
 
 
 def tokenize_examples(
@@ -373,6 +397,15 @@ def prepare_finetune_data(cfg: FinetuneConfig, accelerator: Accelerator, tokeniz
         check_columns(train, fmt, "train")
         if validation is not None:
             check_columns(validation, fmt, "validation")
+        for split, name in ((train, "the train split"), (validation, "the validation split")):
+            if split is not None:
+                check_unknown_characters(
+                    tokenizer,
+                    example_texts(split, fmt),
+                    name,
+                    cfg.allow_unknown_characters,
+                    accelerator.is_main_process,
+                )
         train_examples = tokenize_examples(train, tokenizer, fmt, "train", **cache)
         if validation is None:
             n = len(train_examples)

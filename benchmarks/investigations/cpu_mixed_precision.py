@@ -46,7 +46,8 @@ def run(size: str, precision: str, dataset: str, threads: int, folder: pathlib.P
     """(steady training tokens/s, last training loss) of one pretrain.py run."""
     output_dir = folder / f"{size}_{precision}"
     command = [sys.executable, str(REPO_ROOT / "training" / "pretrain.py"), "--config", str(RECIPE)]
-    command += ["--dataset_name", dataset, "--output_dir", str(output_dir), "--mixed_precision", precision]
+    command += ["--dataset_name", dataset, "--output_dir", str(output_dir), "--overwrite_output_dir"]
+    command += ["--mixed_precision", precision]
     command += ["--eval_steps", "none", "--checkpointing_steps", "none", "--max_eval_samples", "8", *SIZES[size]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
