@@ -1,6 +1,7 @@
 """Validation loss against step for each ``window_sampling``, beside nanoGPT's recipe, over many passes of one text.
 
     nice -n 5 python -m benchmarks.sampler_curves --json_out benchmarks/results/sampler_curves.json   # ~10 min
+    python -m benchmarks.sampler_curves --demo --json_out benchmarks/results/sampler_demo.json   # make demo's recipe
 
 A text seen 20 times or more is where the training windows matter (issue 39): fixed blocks show the model the same
 few hundred windows every pass, and it learns them by heart. To see that on two CPU cores within minutes, every run
@@ -30,6 +31,7 @@ import time
 
 from benchmarks.common import load_average, machine_line, write_results
 from benchmarks.reference_nanogpt import CharData, NanoGPTConfig, load_char_data, run_nanogpt_recipe
+from training.data import tiny_shakespeare
 from training.loop import METRICS_NAME, read_metrics
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -66,6 +68,26 @@ def run_decoderlab(sampling: str, files: tuple[pathlib.Path, pathlib.Path], step
     train = [{"step": r["step"], "train": r["train_loss"]} for r in records if r.get("train_loss") is not None]
     return {"name": f"decoderlab, window_sampling={sampling}", "sampling": sampling, "wall_time_s": wall,
             "curve": curve, "train_curve": train, "final_val": curve[-1]["val"]}  # fmt: skip
+
+
+def run_demo(sampling: str, threads: int, work: pathlib.Path, extra: list[str]) -> dict:
+    """``make demo``'s training command (the default recipe on the whole of Tiny Shakespeare) with ``sampling``:
+    its final validation loss (every validation block), its curve, and its training loop's time."""
+    output = work / f"demo-{sampling}"
+    command = [
+        sys.executable, "-m", "training.pretrain", "--config", str(RECIPE), "--dataset_name", tiny_shakespeare(),
+        "--output_dir", str(output), "--window_sampling", sampling, *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    start = time.perf_counter()
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
+    wall = time.perf_counter() - start
+    records = read_metrics(output / METRICS_NAME)
+    curve = [{"step": r["step"], "val": r["eval_loss"]} for r in records if "eval_loss" in r]
+    last_train = [r for r in records if r.get("train_loss") is not None][-1]
+    return {"name": f"make demo, window_sampling={sampling}", "sampling": sampling, "command_s": wall,
+            "loop_s": last_train["elapsed_s"], "steps": last_train["step"], "curve": curve,
+            "final_val": curve[-1]["val"]}  # fmt: skip
 
 
 def run_reference(data: CharData, steps: int, eval_steps: int, eval_iters: int, threads: int) -> dict:
@@ -110,9 +132,9 @@ def plot(runs: list[dict], path: pathlib.Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train_chars", type=int, default=50_000, help="characters of the training split used")
+    parser.add_argument("--train_chars", type=int, default=40_000, help="characters of the training split used")
     parser.add_argument("--val_chars", type=int, default=32_768, help="characters of the validation split used")
-    parser.add_argument("--passes", type=float, default=24.0, help="times each run sees the training text")
+    parser.add_argument("--passes", type=float, default=20.0, help="times each run sees the training text")
     parser.add_argument("--eval_steps", type=int, default=100)
     parser.add_argument("--eval_iters", type=int, default=40, help="the reference's random validation batches")
     parser.add_argument("--samplings", nargs="+", default=list(SAMPLINGS), choices=SAMPLINGS)
@@ -120,10 +142,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json_out", default=None)
     parser.add_argument("--plot", default=None, help="a PNG of the curves (default: beside --json_out)")
+    parser.add_argument("--demo", action="store_true", help="instead: make demo's recipe with each sampling")
     parser.add_argument("extra", nargs="*", help="after --: more pretrain.py flags for the decoderlab runs")
     args = parser.parse_args(argv)
     load_before = load_average()
     print(machine_line(args.threads))
+    if args.demo:
+        return demo(args, load_before)
     data = subset(load_char_data(), args.train_chars, args.val_chars)
     steps = steps_for(len(data.train), args.passes)
     print(f"{len(data.train):,} training characters, {steps} steps of {BATCH_SIZE} x {BLOCK_SIZE}: "
@@ -162,6 +187,24 @@ def main(argv: list[str] | None = None) -> dict:
         title = (f"{len(data.train):,} characters of Tiny Shakespeare, {result['passes']:.0f} passes, "
                  f"blocks of {BLOCK_SIZE}, batch {BATCH_SIZE}")  # fmt: skip
         plot(runs, pathlib.Path(plot_path), title)
+    return result
+
+
+def demo(args: argparse.Namespace, load_before: float) -> dict:
+    """``--demo``: the default recipe as ``make demo`` trains it, once per sampling; the final validation loss
+    decides (the times depend on the machine's load)."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for sampling in args.samplings:
+            runs.append(run_demo(sampling, args.threads, pathlib.Path(tmp), args.extra))
+            print(f"{runs[-1]['name']}: final validation {runs[-1]['final_val']:.4f}, loop {runs[-1]['loop_s']:.0f} s",
+                  flush=True)  # fmt: skip
+    for run in runs:
+        run.update(best(run))
+    result = {"machine": machine_line(args.threads), "load_average": [load_before, load_average()],
+              "recipe": str(RECIPE.relative_to(REPO_ROOT)), "extra": args.extra, "runs": runs}  # fmt: skip
+    if args.json_out:
+        write_results(args.json_out, result, args.threads)
     return result
 
 
