@@ -7,8 +7,8 @@
   80 times each, and overfits them. Right for a corpus seen about once.
 - ``random``: nanoGPT's ``get_batch``: each window of a global batch starts at an offset drawn uniformly from all
   of them, with replacement (``RandomOffsets``).
-- ``shifted``: each pass cuts the text into blocks at an offset of its own, drawn from ``[0, block_size)``, and
-  shuffles them: every token once per pass, the block boundaries moving from pass to pass (``ShiftedBlocks``).
+- ``shifted``: each pass cuts the text into blocks from a random offset of its own and shuffles them: every token
+  at most once per pass, the block boundaries moving from pass to pass (``ShiftedBlocks``).
 - ``permutation``: every offset exactly once per pass over all of them, in a seeded random order: random offsets
   without replacement (``OffsetPermutation``; a pass holds ``block_size`` times the text's tokens).
 
@@ -100,18 +100,21 @@ class PassSampler:
 
 
 class ShiftedBlocks(PassSampler):
-    """Each pass cuts the text into consecutive blocks from an offset drawn in ``[0, block_size)`` and shuffles
-    them; every pass has the same number of blocks (as many as the largest offset leaves room for), and the blocks
-    left over after its last full global batch wait for the next pass, as ``BlockBatches``' do."""
+    """Each pass cuts the text into ``n_blocks`` consecutive blocks from an offset of its own and shuffles them.
+    Every pass has as many blocks as any offset in ``[0, block_size)`` leaves room for; the tokens they leave
+    (``spare``: from block_size - 1 to 2 x block_size - 2) are split between the text's head and tail by an offset
+    drawn in ``[0, spare]``, so every token, the last one too, is in some pass's blocks. Blocks left over after a
+    pass's last full global batch wait for the next pass, as ``BlockBatches``' do."""
 
     def __init__(self, n_tokens: int, block_size: int, global_batch_size: int, seed: int):
         super().__init__(seed, global_batch_size)
         self.block_size = block_size
-        self.n_blocks = (n_tokens - block_size + 1) // block_size  # the fewest whole blocks any offset leaves
+        self.n_blocks = (n_tokens - block_size + 1) // block_size
+        self.spare = n_tokens - self.n_blocks * block_size
         self.batches_per_pass = self.n_blocks // global_batch_size
 
     def pass_starts(self, rng: np.random.Generator) -> np.ndarray:
-        offset = rng.integers(0, self.block_size)
+        offset = rng.integers(0, self.spare + 1)
         return offset + rng.permutation(self.n_blocks) * self.block_size
 
 
