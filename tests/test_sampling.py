@@ -17,11 +17,12 @@ import torch
 
 from tests.paths import INPUT_TXT, REPO_ROOT
 from tests.training_runs import metrics, subprocess_env, train_losses
-from training import pretrain
+from training import data, prepare_data, pretrain
 from training.args import TrainConfig
-from training.data import BlockBatches, prepare_data, training_batches
+from training.data import BlockBatches, training_batches
 from training.loop import make_accelerator
 from training.sampling import SAMPLERS, TokenWindows, WindowBatches
+from training.token_shards import PreparedData
 
 SAMPLINGS = sorted(SAMPLERS)  # permutation, random, shifted
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
@@ -125,6 +126,19 @@ def test_processes_take_their_rows_of_one_global_batch_and_resume_with_another_c
         windows(sampling, batch_size=6).load_state_dict(blocks.state_dict(10))
 
 
+def test_prepared_windows_read_the_training_shards_only(prepared):
+    """From prepared shards, the windows' text is the training shards' tokens one after the other, across shard
+    ends; the validation file is never among them."""
+    shards = PreparedData(prepared)
+    tokens = TokenWindows(shards.train_files)
+    assert len(shards.train_files) == 8 and len(tokens) == shards.meta["train_tokens"]
+    whole = np.concatenate(shards.train_files)
+    starts = np.array([0, 2590, len(whole) - 16])  # 2590: across the first shard's end (2597 tokens)
+    assert torch.equal(
+        tokens.read(starts, 16), torch.from_numpy(whole[starts[:, None] + np.arange(16)].astype(np.int64))
+    )
+
+
 def test_windows_read_across_pieces_as_one_text():
     """Prepared shards are read one after the other: a window across two (or three) of them, or in an empty one,
     holds the tokens the concatenated text holds."""
@@ -157,7 +171,7 @@ def test_no_training_window_holds_validation_tokens(tmp_path, sampling):
     cfg = TrainConfig(dataset_name=None, train_file=str(tmp_path / "train.txt"), block_size=16,
                       validation_split_percentage=5, window_sampling=sampling, per_device_train_batch_size=4,
                       output_dir=str(tmp_path / "out"))  # fmt: skip
-    tokenizer, batches, eval_blocks = prepare_data(cfg, make_accelerator(cfg))
+    tokenizer, batches, eval_blocks = data.prepare_data(cfg, make_accelerator(cfg))
     assert tokenizer.decode(eval_blocks.flatten().tolist()) == "QWERTYUIOPASDFGHJKLZ" * 4
     seen = torch.cat(take(batches, 0, 2000))  # (8000, 16): a pass of every offset; 85 of 'shifted'
     assert tokenizer.decode(seen.flatten().tolist()).islower()
@@ -199,15 +213,29 @@ def run_argv(text_files, output_dir, sampling: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("sampling", ["random", "shifted"])
-def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, text_files, sampling):
-    """Resumed from its step-6 checkpoint in a new folder, a run with windows at every offset logs the
-    uninterrupted run's losses at steps 8 to 12 (1e-6: same weights, optimizer, RNG and data position; the
-    windows of step 7 on are computed from the step, not replayed)."""
+@pytest.fixture(scope="module")
+def prepared(text_files, tmp_path_factory) -> pathlib.Path:
+    """The same text prepared into token shards of 100 lines each (8 shards: windows cross their ends)."""
+    output = tmp_path_factory.mktemp("prepared") / "data"
+    prepare_data.main(["--train_file", str(text_files[0]), "--validation_file", str(text_files[1]),
+                       "--output_dir", str(output), "--documents_per_shard", "100"])  # fmt: skip
+    return output
+
+
+def source_argv(source: str, prepared: pathlib.Path) -> list[str]:
+    return ["--prepared_data", str(prepared)] if source == "prepared" else []
+
+
+@pytest.mark.parametrize("source, sampling", [("memory", "shifted"), ("prepared", "random")])
+def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, text_files, prepared, source, sampling):
+    """Resumed from its step-6 checkpoint in a new folder, a run with windows at every offset, in memory and from
+    prepared shards, logs the uninterrupted run's losses at steps 8 to 12 (1e-6: same weights, optimizer, RNG and
+    data position; the windows of step 7 on are computed from the step, not replayed)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    pretrain.main(run_argv(text_files, straight, sampling))
+    data = source_argv(source, prepared)
+    pretrain.main(run_argv(text_files, straight, sampling, *data))
     assert json.loads((straight / "step_6" / "data_state_0.json").read_text())["window_sampling"] == sampling
-    pretrain.main(run_argv(text_files, resumed, sampling, "--resume_from_checkpoint", str(straight / "step_6")))
+    pretrain.main(run_argv(text_files, resumed, sampling, *data, "--resume_from_checkpoint", str(straight / "step_6")))
     expected, got = train_losses(straight), train_losses(resumed)
     assert sorted(got) == [8, 10, 12]
     for step in got:
@@ -223,15 +251,17 @@ def test_a_block_longer_than_the_text_stops_before_any_step(tmp_path, text_files
 
 
 @pytest.mark.slow
-def test_two_processes_resume_one_process_checkpoint_to_its_losses(tmp_path, text_files):
+@pytest.mark.parametrize("source, sampling", [("memory", "shifted"), ("prepared", "permutation")])
+def test_two_processes_resume_one_process_checkpoint_to_its_losses(tmp_path, text_files, prepared, source, sampling):
     """torchrun with 2 gloo processes of batch 2 resumes a one-process run of batch 4 (the same global batch) from
-    its step-6 checkpoint and logs its losses at steps 8 to 12: each process takes its rows of the same windows.
-    Tolerance 1e-4: the all-reduce sums in another order than one batch does (as the two-process curve test)."""
-    sampling = "shifted"
+    its step-6 checkpoint and logs its losses at steps 8 to 12, in memory and from prepared shards: each process
+    takes its rows of the same windows. Tolerance 1e-4: the all-reduce sums in another order than one batch does
+    (as the two-process curve test in test_pretrain_training.py)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    pretrain.main(run_argv(text_files, straight, sampling))
+    data = source_argv(source, prepared)
+    pretrain.main(run_argv(text_files, straight, sampling, *data))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    argv = run_argv(text_files, resumed, sampling, "--per_device_train_batch_size", "2",
+    argv = run_argv(text_files, resumed, sampling, *data, "--per_device_train_batch_size", "2",
                     "--resume_from_checkpoint", str(straight / "step_6"))  # fmt: skip
     result = subprocess.run([*launcher, str(PRETRAIN), *argv], env=subprocess_env(), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
