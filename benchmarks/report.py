@@ -332,6 +332,35 @@ def data_pipeline_rows(prepare: dict, loader: dict, resume: dict, tiny: dict, rs
     return markdown_table(["measure", "decoderlab", "beside it", "against the goal"], "lrll", rows)
 
 
+def sampler_curves_rows(report: dict) -> list[Line]:
+    """Each run's best validation loss (and its step), and its last: fixed blocks against windows at every offset
+    and nanoGPT's recipe, over many passes of one text."""
+    passes = report["steps"] / report["passes"]  # steps per pass
+    rows = [
+        ([run["name"], f"{run['best_val']:.3f}", f"{run['best_step']} ({run['best_step'] / passes:.1f} passes)",
+          f"{run['curve'][-1]['val']:.3f}", f"{run['final_val']:.3f}"], "sampler_curves.json")
+        for run in report["runs"]
+    ]  # fmt: skip
+    last = f"validation at step {report['steps']}"
+    return markdown_table(
+        ["training windows", "best validation loss", "at step", last, "final, every window"], "lrrrr", rows
+    )
+
+
+def sampler_demo_rows(report: dict) -> list[Line]:
+    """``make demo``'s recipe with each window sampling: the validation loss it ends with, and its loop's time."""
+    rows = [
+        ([f"`{run['sampling']}`", f"{run['final_val']:.4f}", f"{run['best_val']:.4f} (step {run['best_step']})",
+          f"{run['loop_s']:.0f} s"], "sampler_demo.json")
+        for run in report["runs"]
+    ]  # fmt: skip
+    return markdown_table(
+        ["`window_sampling`", "final validation loss", "best periodic validation", "training loop (loaded machine)"],
+        "lrrr",
+        rows,
+    )
+
+
 EXPLORE_VIEWS = ("attention", "scale re-runs", "heads", "positions", "norm placement", "generation")
 
 
@@ -463,6 +492,8 @@ TABLES = [
     Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
     Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
+    Table("sampler-curves", ("sampler_curves.json",), "window-sampling.md", sampler_curves_rows),
+    Table("sampler-demo", ("sampler_demo.json",), "window-sampling.md", sampler_demo_rows),
     Table(
         "data-pipeline",
         ("prepare_data.json", "data_loader.json", "resume_time.json", "resume_time-tiny_shakespeare.json", "rss.json"),
@@ -473,7 +504,7 @@ TABLES = [
 PAGES = {
     "README.md": ["headline"],
     "docs/performance.md": [table.name for table in TABLES],
-    "docs/guides/data.md": ["data-pipeline"],
+    "docs/guides/data.md": ["data-pipeline", "sampler-curves", "sampler-demo"],
     "docs/guides/explore.md": ["explore"],
 }
 # the GPU check's results file, shown on the performance page once a GPU has written it (never so far)
