@@ -332,19 +332,26 @@ def data_pipeline_rows(prepare: dict, loader: dict, resume: dict, tiny: dict, rs
     return markdown_table(["measure", "decoderlab", "beside it", "against the goal"], "lrll", rows)
 
 
-def sampler_curves_rows(report: dict) -> list[Line]:
+def sampler_curves_rows(*reports: dict) -> list[Line]:
     """Each run's best validation loss (and its step), and its last: fixed blocks against windows at every offset
-    and nanoGPT's recipe, over many passes of one text."""
-    passes = report["steps"] / report["passes"]  # steps per pass
-    rows = [
-        ([run["name"], f"{run['best_val']:.3f}", f"{run['best_step']} ({run['best_step'] / passes:.1f} passes)",
-          f"{run['curve'][-1]['val']:.3f}", f"{run['final_val']:.3f}"], "sampler_curves.json")
-        for run in report["runs"]
-    ]  # fmt: skip
-    last = f"validation at step {report['steps']}"
+    and nanoGPT's recipe, over many passes of one text; one group of rows per results file (seed)."""
+    rows = []
+    for report, name in zip(reports, SAMPLER_CURVES):
+        per_pass = report["steps"] / report["passes"]
+        rows += [
+            ([run["name"], str(report.get("seed", 1337)), f"{run['best_val']:.3f}",
+              f"{run['best_step']} ({run['best_step'] / per_pass:.1f} passes)", f"{run['curve'][-1]['val']:.3f}"],
+             name)
+            for run in report["runs"]
+        ]  # fmt: skip
     return markdown_table(
-        ["training windows", "best validation loss", "at step", last, "final, every window"], "lrrrr", rows
+        ["training windows", "seed", "best validation loss", "at step", f"at the last step ({reports[0]['steps']})"],
+        "lrrrr",
+        rows,
     )
+
+
+SAMPLER_CURVES = ("sampler_curves.json", "sampler_curves-seed2.json")
 
 
 def sampler_demo_rows(report: dict) -> list[Line]:
@@ -492,7 +499,7 @@ TABLES = [
     Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
     Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
-    Table("sampler-curves", ("sampler_curves.json",), "window-sampling.md", sampler_curves_rows),
+    Table("sampler-curves", SAMPLER_CURVES, "window-sampling.md", sampler_curves_rows),
     Table("sampler-demo", ("sampler_demo.json",), "window-sampling.md", sampler_demo_rows),
     Table(
         "data-pipeline",

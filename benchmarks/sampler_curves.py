@@ -90,11 +90,11 @@ def run_demo(sampling: str, threads: int, work: pathlib.Path, extra: list[str]) 
             "final_val": curve[-1]["val"]}  # fmt: skip
 
 
-def run_reference(data: CharData, steps: int, eval_steps: int, eval_iters: int, threads: int) -> dict:
+def run_reference(data: CharData, steps: int, eval_steps: int, eval_iters: int, threads: int, seed: int) -> dict:
     """nanoGPT's recipe (random offsets with replacement) at the default recipe's model size, batch and steps."""
     config = NanoGPTConfig(block_size=BLOCK_SIZE, vocab_size=data.vocab_size, n_layer=4, n_head=4, n_embd=128)
     result = run_nanogpt_recipe(steps, eval_interval=eval_steps, eval_iters=eval_iters, num_threads=threads,
-                                model_config=config, data=data, batch_size=BATCH_SIZE)  # fmt: skip
+                                model_config=config, data=data, batch_size=BATCH_SIZE, seed=seed)  # fmt: skip
     # nanoGPT's loop estimates before step `iter` runs, so its estimate at `iter` follows `iter` steps
     curve = [{"step": h["iter"], "val": h["val"]} for h in result["history"]]
     train = [{"step": h["iter"], "train": h["train"]} for h in result["history"]]
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval_iters", type=int, default=40, help="the reference's random validation batches")
     parser.add_argument("--samplings", nargs="+", default=list(SAMPLINGS), choices=SAMPLINGS)
     parser.add_argument("--skip_reference", action="store_true")
+    parser.add_argument("--seed", type=int, default=1337, help="every run's seed (the recipe's and nanoGPT's: 1337)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json_out", default=None)
     parser.add_argument("--plot", default=None, help="a PNG of the curves (default: beside --json_out)")
@@ -160,10 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
         for path, ids in zip(files, (data.train, data.val)):
             path.write_text("".join(data.chars[i] for i in ids.tolist()), encoding="utf-8")
         for sampling in args.samplings:
-            runs.append(run_decoderlab(sampling, files, steps, args.eval_steps, args.threads, work, args.extra))
+            extra = ["--seed", str(args.seed), *args.extra]
+            runs.append(run_decoderlab(sampling, files, steps, args.eval_steps, args.threads, work, extra))
             print(f"{runs[-1]['name']}: best {best(runs[-1])}, {runs[-1]['wall_time_s']:.0f} s", flush=True)
     if not args.skip_reference:
-        runs.append(run_reference(data, steps, args.eval_steps, args.eval_iters, args.threads))
+        runs.append(run_reference(data, steps, args.eval_steps, args.eval_iters, args.threads, args.seed))
         print(f"{runs[-1]['name']}: best {best(runs[-1])}, {runs[-1]['wall_time_s']:.0f} s", flush=True)
     for run in runs:
         run.update(best(run))
@@ -177,6 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": steps,
         "passes": steps * BATCH_SIZE * BLOCK_SIZE / len(data.train),
         "eval_steps": args.eval_steps,
+        "seed": args.seed,
         "runs": runs,
     }
     print(json.dumps([{k: run[k] for k in ("name", "best_val", "best_step", "final_val")} for run in runs], indent=1))

@@ -412,5 +412,5 @@ def test_sampler_curves_runs_each_sampling_beside_the_reference_and_plots_them(t
         assert [p["step"] for p in run["curve"]] == [0, 2, 4] if run["sampling"] == "reference" else [2, 4]
         assert run["best_val"] == min(p["val"] for p in run["curve"]) and 1.0 < run["best_val"] < 5.0
     assert out.with_suffix(".png").stat().st_size > 10_000
-    table = "\n".join(line.text for line in report.sampler_curves_rows(result))
+    table = "\n".join(line.text for line in report.sampler_curves_rows(result, result))
     assert "window_sampling=shifted" in table and "nanoGPT's recipe" in table
