@@ -340,12 +340,13 @@ def sampler_curves_rows(*reports: dict) -> list[Line]:
         per_pass = report["steps"] / report["passes"]
         rows += [
             ([run["name"], str(report.get("seed", 1337)), f"{run['best_val']:.3f}",
-              f"{run['best_step']} ({run['best_step'] / per_pass:.1f} passes)", f"{run['curve'][-1]['val']:.3f}"],
+              f"{run['best_step']} ({run['best_step'] / per_pass:.1f} passes)",
+              f"{run['curve'][-1]['val']:.3f} (step {run['curve'][-1]['step']})"],
              name)
             for run in report["runs"]
         ]  # fmt: skip
     return markdown_table(
-        ["training windows", "seed", "best validation loss", "at step", f"at the last step ({reports[0]['steps']})"],
+        ["training windows", "seed", "best validation loss", "at step", "last evaluated"],
         "lrrrr",
         rows,
     )
@@ -362,10 +363,9 @@ def sampler_demo_rows(report: dict) -> list[Line]:
         for run in report["runs"]
     ]  # fmt: skip
     return markdown_table(
-        ["`window_sampling`", "final validation loss", "best periodic validation", "training loop (loaded machine)"],
-        "lrrr",
-        rows,
-    )
+        ["`window_sampling`", "final validation loss", "best periodic validation (256 blocks)",
+         "training loop (loaded machine)"], "lrrr", rows,
+    )  # fmt: skip
 
 
 EXPLORE_VIEWS = ("attention", "scale re-runs", "heads", "positions", "norm placement", "generation")
