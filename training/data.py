@@ -13,7 +13,8 @@ The path from a dataset to batches:
    the same data and tokenizer reads the blocks from disk instead of tokenizing again.
 4. ``BlockBatches`` / ``StreamBatches``: endless batches in a seeded order, sharded over processes,
    resumable at any batch without reading again the ones before it (a stream from the position its checkpoint
-   saved); ``Prefetched`` reads them ahead in a thread.
+   saved); ``Prefetched`` reads them ahead in a thread. ``TrainConfig.window_sampling`` other than "blocks" draws
+   windows at any offset of the same tokens instead of fixed blocks (``training.sampling``, ``training_batches``).
 
 Corpora too large to tokenize at every start are prepared once into token shards instead
 (``training/prepare_data.py``, ``training.token_shards``), which ``BlockBatches`` reads through np.memmap.
