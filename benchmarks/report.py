@@ -355,17 +355,24 @@ def sampler_curves_rows(*reports: dict) -> list[Line]:
 SAMPLER_CURVES = ("sampler_curves.json", "sampler_curves-seed2.json")
 
 
-def sampler_demo_rows(report: dict) -> list[Line]:
-    """``make demo``'s recipe with each window sampling: the validation loss it ends with, and its loop's time."""
-    rows = [
-        ([f"`{run['sampling']}`", f"{run['final_val']:.4f}", f"{run['best_val']:.4f} (step {run['best_step']})",
-          f"{run['loop_s']:.0f} s"], "sampler_demo.json")
-        for run in report["runs"]
-    ]  # fmt: skip
+def sampler_demo_rows(*reports: dict) -> list[Line]:
+    """``make demo``'s recipe with each window sampling: the validation loss it ends with, and its loop's time with
+    the threads and the load average (before, after) it ran under; one group of rows per results file."""
+    rows = []
+    for report, name in zip(reports, SAMPLER_DEMO):
+        load = "-".join(f"{x:.1f}" for x in report["load_average"])
+        rows += [
+            ([f"`{run['sampling']}`", f"{run['final_val']:.4f}", f"{run['best_val']:.4f} (step {run['best_step']})",
+              f"{run['loop_s']:.0f} s", f"{report['provenance']['threads']}, load {load}"], name)
+            for run in report["runs"]
+        ]  # fmt: skip
     return markdown_table(
-        ["`window_sampling`", "final validation loss", "best periodic validation (256 blocks)",
-         "training loop (loaded machine)"], "lrrr", rows,
+        ["`window_sampling`", "final validation loss", "best periodic validation (256 blocks)", "training loop",
+         "threads, load average"], "lrrrl", rows,
     )  # fmt: skip
+
+
+SAMPLER_DEMO = ("sampler_demo.json", "sampler_demo-2threads.json")
 
 
 EXPLORE_VIEWS = ("attention", "scale re-runs", "heads", "positions", "norm placement", "generation")
@@ -500,7 +507,7 @@ TABLES = [
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
     Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
     Table("sampler-curves", SAMPLER_CURVES, "window-sampling.md", sampler_curves_rows),
-    Table("sampler-demo", ("sampler_demo.json",), "window-sampling.md", sampler_demo_rows),
+    Table("sampler-demo", SAMPLER_DEMO, "window-sampling.md", sampler_demo_rows),
     Table(
         "data-pipeline",
         ("prepare_data.json", "data_loader.json", "resume_time.json", "resume_time-tiny_shakespeare.json", "rss.json"),
