@@ -342,6 +342,7 @@ def run_nanogpt_recipe(
     dtype: str = "float32",
     compile_backend: str | None = None,
     log_interval: int = 1,
+    data: CharData | None = None,
 ) -> dict:
     """Train nanoGPT's shakespeare_char CPU recipe and report its wall time and losses.
 
@@ -354,7 +355,8 @@ def run_nanogpt_recipe(
 
     ``lr_decay_iters`` defaults to ``max_iters`` (the documented command sets both to 2000).
     ``num_threads`` sets torch's intra-op threads for the run (restored afterwards); None leaves
-    them. ``log`` receives nanoGPT-style progress lines (None: silent).
+    them. ``log`` receives nanoGPT-style progress lines (None: silent). ``data``: other character data than
+    Tiny Shakespeare's nanoGPT split (``data_path`` is then not read); ``batch_size``: windows per step.
 
     Returns a JSON-serialisable dict:
         wall_time_s: the training loop including its periodic evaluations (what timing
@@ -380,7 +382,7 @@ def run_nanogpt_recipe(
         raise ValueError(
             f"max_iters={max_iters} must be >= 0, eval_interval={eval_interval} and eval_iters={eval_iters} >= 1."
         )
-    data = load_char_data(data_path)
+    data = data if data is not None else load_char_data(data_path)
     config = model_config or NanoGPTConfig(vocab_size=data.vocab_size)
     previous_threads = torch.get_num_threads()
     if num_threads is not None:

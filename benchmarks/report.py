@@ -371,6 +371,49 @@ def data_pipeline_rows(prepare: dict, loader: dict, resume: dict, tiny: dict, rs
     return markdown_table(["measure", "decoderlab", "beside it", "against the goal"], "lrll", rows)
 
 
+def sampler_curves_rows(*reports: dict) -> list[Line]:
+    """Each run's best validation loss (and its step), and its last: fixed blocks against windows at every offset
+    and nanoGPT's recipe, over many passes of one text; one group of rows per results file (seed)."""
+    rows = []
+    for report, name in zip(reports, SAMPLER_CURVES):
+        per_pass = report["steps"] / report["passes"]
+        rows += [
+            ([run["name"], str(report.get("seed", 1337)), f"{run['best_val']:.3f}",
+              f"{run['best_step']} ({run['best_step'] / per_pass:.1f} passes)",
+              f"{run['curve'][-1]['val']:.3f} (step {run['curve'][-1]['step']})"],
+             name)
+            for run in report["runs"]
+        ]  # fmt: skip
+    return markdown_table(
+        ["training windows", "seed", "best validation loss", "at step", "last evaluated"],
+        "lrrrr",
+        rows,
+    )
+
+
+SAMPLER_CURVES = ("sampler_curves.json", "sampler_curves-seed2.json")
+
+
+def sampler_demo_rows(*reports: dict) -> list[Line]:
+    """``make demo``'s recipe with each window sampling: the validation loss it ends with, and its loop's time with
+    the threads and the load average (before, after) it ran under; one group of rows per results file."""
+    rows = []
+    for report, name in zip(reports, SAMPLER_DEMO):
+        load = "-".join(f"{x:.1f}" for x in report["load_average"])
+        rows += [
+            ([f"`{run['sampling']}`", f"{run['final_val']:.4f}", f"{run['best_val']:.4f} (step {run['best_step']})",
+              f"{run['loop_s']:.0f} s", f"{report['provenance']['threads']}, load {load}"], name)
+            for run in report["runs"]
+        ]  # fmt: skip
+    return markdown_table(
+        ["`window_sampling`", "final validation loss", "best periodic validation (256 blocks)", "training loop",
+         "threads, load average"], "lrrrl", rows,
+    )  # fmt: skip
+
+
+SAMPLER_DEMO = ("sampler_demo.json", "sampler_demo-2threads.json")
+
+
 EXPLORE_VIEWS = ("attention", "scale re-runs", "heads", "positions", "norm placement", "generation")
 
 
@@ -510,6 +553,8 @@ TABLES = [
     Table("training-memory", ("training_memory.json",), "gpu-training-2026-12-04.md", training_memory_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
     Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
+    Table("sampler-curves", SAMPLER_CURVES, "window-sampling.md", sampler_curves_rows),
+    Table("sampler-demo", SAMPLER_DEMO, "window-sampling.md", sampler_demo_rows),
     Table(
         "data-pipeline",
         ("prepare_data.json", "data_loader.json", "resume_time.json", "resume_time-tiny_shakespeare.json", "rss.json"),
@@ -521,7 +566,7 @@ TABLES = [
 PAGES = {
     "README.md": ["headline"],
     "docs/performance.md": [table.name for table in TABLES],
-    "docs/guides/data.md": ["data-pipeline"],
+    "docs/guides/data.md": ["data-pipeline", "sampler-curves", "sampler-demo"],
     "docs/guides/explore.md": ["explore"],
     "docs/guides/multi-node.md": ["signal-exit"],
 }

@@ -414,3 +414,26 @@ def test_every_results_file_starts_with_what_reproduces_it(tmp_path):
     assert provenance["cpu"] and provenance["threads"] == 3 and provenance["cores"] >= 1
     assert provenance["versions"]["torch"] == torch.__version__
     assert provenance["versions"]["transformers"] == transformers.__version__
+
+
+@pytest.mark.slow
+def test_sampler_curves_runs_each_sampling_beside_the_reference_and_plots_them(tmp_path):
+    """A short run of the window-sampling benchmark: one validation curve per sampling asked for and one for
+    nanoGPT's recipe, each with its best loss at one of its evaluated steps, the same steps for all, the CPU named,
+    and the plot drawn; the report renders its table from the JSON."""
+    from benchmarks import report, sampler_curves
+
+    out = tmp_path / "curves.json"
+    sampler_curves.main(["--train_chars", "4096", "--val_chars", "1024", "--passes", "1", "--eval_steps", "2",
+                         "--eval_iters", "1", "--threads", "1", "--samplings", "shifted",
+                         "--json_out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["provenance"]["cpu"] and result["steps"] == 4 and result["passes"] == 1.0
+    names = [run["sampling"] for run in result["runs"]]
+    assert names == ["shifted", "reference"]
+    for run in result["runs"]:
+        assert [p["step"] for p in run["curve"]] == [0, 2, 4] if run["sampling"] == "reference" else [2, 4]
+        assert run["best_val"] == min(p["val"] for p in run["curve"]) and 1.0 < run["best_val"] < 5.0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    table = "\n".join(line.text for line in report.sampler_curves_rows(result, result))
+    assert "window_sampling=shifted" in table and "nanoGPT's recipe" in table

@@ -35,6 +35,7 @@ from .preemption import DEFAULT_STOP_SIGNALS, parse_stop_signals
 TOKENIZER_TYPES = Literal["char", "bpe", "pretrained"]
 MIXED_PRECISION = Literal["no", "bf16", "fp16"]
 TOKEN_DTYPES = Literal["auto", "uint16", "uint32"]
+WINDOW_SAMPLINGS = Literal["blocks", "random", "shifted", "permutation"]  # training.sampling describes each
 DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
 NONE_STRINGS = ("none", "null", "~")
 DEBUG_HELP = "show the full traceback of an error, not just its one error: line"
@@ -93,6 +94,11 @@ class TrainConfig(Config):
     streaming_validation_texts: int = option(1000, "streaming without a validation split: first N texts validate")
     shuffle_buffer_size: int = option(10_000, "streaming: blocks shuffled together (one window, read again on resume)")
     block_size: int = option(64, "tokens per training sequence; texts are concatenated and cut into blocks")
+    window_sampling: WINDOW_SAMPLINGS = option(
+        "blocks",
+        "where training windows start: blocks (fixed blocks, shuffled), random (any offset, with replacement: "
+        "nanoGPT's), shifted (blocks cut at a new random offset each pass), permutation (every offset once a pass)",
+    )
     preprocessing_num_workers: int | None = option(None, "processes for tokenization (datasets.map num_proc)")
     overwrite_cache: bool = option(False, "re-tokenize even when a cached tokenization exists")
     prepared_data: str | None = option(
@@ -223,6 +229,12 @@ class TrainConfig(Config):
             raise ValueError(
                 f"bpe_vocab_size={self.bpe_vocab_size} is too small: a byte-level BPE needs the 256 bytes plus "
                 "its end-of-text token. Use 257 or more (a few thousand is typical)."
+            )
+        if self.streaming and self.window_sampling != "blocks":
+            raise ValueError(
+                f"window_sampling={self.window_sampling!r} draws windows from the whole training text, which a stream "
+                "(streaming=True) never holds: stream with window_sampling blocks, or prepare the data once "
+                "(training/prepare_data.py) and train on it with --prepared_data."
             )
         if self.streaming and self.max_train_steps is None:
             raise ValueError(

@@ -13,7 +13,8 @@ The path from a dataset to batches:
    the same data and tokenizer reads the blocks from disk instead of tokenizing again.
 4. ``BlockBatches`` / ``StreamBatches``: endless batches in a seeded order, sharded over processes,
    resumable at any batch without reading again the ones before it (a stream from the position its checkpoint
-   saved); ``Prefetched`` reads them ahead in a thread.
+   saved); ``Prefetched`` reads them ahead in a thread. ``TrainConfig.window_sampling`` other than "blocks" draws
+   windows at any offset of the same tokens instead of fixed blocks (``training.sampling``, ``training_batches``).
 
 Corpora too large to tokenize at every start are prepared once into token shards instead
 (``training/prepare_data.py``, ``training.token_shards``), which ``BlockBatches`` reads through np.memmap.
@@ -43,6 +44,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .args import TrainConfig
+from .sampling import TokenWindows, WindowBatches, check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -805,6 +807,8 @@ class StreamBatches:
 def check_data_state(state: dict, kind: str, num_processes: int) -> None:
     """Refuse a checkpoint's data position that this run's data cannot continue from: another kind of data (a
     stream, blocks), or a stream saved by another number of processes (each process's position is its own)."""
+    if kind == "blocks" and state["kind"] == WindowBatches.kind:
+        check_sampling(state, "blocks")  # names the checkpoint's window_sampling
     if state["kind"] != kind:
         raise ValueError(
             f"The checkpoint was trained on {state['kind']} data and this run reads {kind} data: its position in "
@@ -927,5 +931,15 @@ def prepare_data(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None, to
             train_blocks, eval_blocks = prepare_map_style(
                 train, validation, tokenizer, Packing.of(cfg), cfg.validation_split_percentage
             )
-            batches = BlockBatches(train_blocks, cfg.per_device_train_batch_size, **shard)
+            batches = training_batches(cfg, train_blocks, shard)
     return tokenizer, batches, eval_blocks
+
+
+def training_batches(cfg: TrainConfig, blocks, shard: dict, tokens: TokenWindows | None = None):
+    """The training batches ``cfg.window_sampling`` asks for: ``BlockBatches`` of the fixed ``blocks`` ("blocks"),
+    else ``sampling.WindowBatches`` of windows at any offset of the same tokens (``tokens``, or the blocks' own, in
+    order). ``shard``: seed, process_index and num_processes."""
+    if cfg.window_sampling == "blocks":
+        return BlockBatches(blocks, cfg.per_device_train_batch_size, **shard)
+    tokens = tokens if tokens is not None else TokenWindows.of_blocks(blocks)
+    return WindowBatches(tokens, cfg.window_sampling, cfg.block_size, cfg.per_device_train_batch_size, **shard)

@@ -47,7 +47,9 @@ from .data import (
     build_tokenizer,
     iter_texts,
     load_tokenizer,
+    training_batches,
 )
+from .sampling import TokenWindows
 
 logger = logging.getLogger(__name__)
 
@@ -506,9 +508,14 @@ def prepared_batches(cfg: TrainConfig, accelerator: Accelerator, checkpoint=None
         data.check_tokenizer(other, whose)
     eval_blocks = data.validation_blocks(cfg.block_size)
     shard = dict(seed=cfg.seed, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
-    batches = BlockBatches(data.train_blocks(cfg.block_size), cfg.per_device_train_batch_size, **shard)
+    if cfg.window_sampling == "blocks":
+        batches = BlockBatches(data.train_blocks(cfg.block_size), cfg.per_device_train_batch_size, **shard)
+        cut = f"{len(batches.rows['input_ids']):,} blocks of {cfg.block_size}"
+    else:
+        batches = training_batches(cfg, None, shard, tokens=TokenWindows(data.train_files))
+        cut = f"window_sampling={cfg.window_sampling!r}, windows of {cfg.block_size}"
     logger.info(
         f"Training on {data.meta['train_tokens']:,} prepared tokens in {len(data.train_files)} shard(s) of "
-        f"{cfg.prepared_data} ({len(batches.rows['input_ids']):,} blocks of {cfg.block_size})"
+        f"{cfg.prepared_data} ({cut})"
     )
     return data.tokenizer, batches, eval_blocks
