@@ -276,7 +276,8 @@ def test_torchrun_stops_every_process_at_one_step_whoever_got_the_signal(tmp_pat
     (--checkpointing_minutes), which both processes must agree on too. Resumed a last time to the end, the run
     equals an uninterrupted two-process run (every record, the logits). The launcher itself exits with 1 whenever
     it or a worker ended otherwise than with 0 (torch.distributed.elastic), whatever the workers' status (75)."""
-    steps = ["--max_train_steps", "300", "--checkpointing_steps", "none", "--checkpointing_minutes", "0.02"]
+    # long enough that no launch reaches the end before its signal on an idle machine (about 100 steps/s there)
+    steps = ["--max_train_steps", "1000", "--checkpointing_steps", "none", "--checkpointing_minutes", "0.02"]
     reference, out = tmp_path / "reference", tmp_path / "out"
     done = subprocess.run([*TORCHRUN, str(PRETRAIN), *run_argv(text_files, reference, *steps)], env=subprocess_env(),
                           capture_output=True, text=True)  # fmt: skip
@@ -301,7 +302,7 @@ def test_torchrun_stops_every_process_at_one_step_whoever_got_the_signal(tmp_pat
         reason = "a stop signal to another process" if case == "one worker" else "SIGTERM"
         assert f"Stopped at step {step} on {reason}" in run.output(), case
         stopped = step
-    assert stopped < 300, "the last stop came after the end"
+    assert stopped < 1000, "the last stop came after the end"
     done = subprocess.run([*TORCHRUN, str(PRETRAIN), *run_argv(text_files, out, *steps, "--resume_from_checkpoint",
                            "latest")], env=subprocess_env(), capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
