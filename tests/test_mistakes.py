@@ -101,6 +101,17 @@ def test_flag_mistakes_are_usage_errors_naming_the_flag(flags, message):
         parse_config(TrainConfig, flags)
 
 
+def test_window_sampling_is_refused_where_examples_are_trained_whole():
+    """Bad input: --window_sampling for chat or prompt/completion data (rows are whole examples, never windows of
+    one text) was ignored without a word; it is refused naming both settings."""
+    from training.finetune_args import FinetuneConfig
+
+    base = ["--model_name_or_path", "out/x", "--train_file", "chat.jsonl", "--window_sampling", "shifted"]
+    with pytest.raises(UsageError, match="window_sampling='shifted' draws windows from one packed text"):
+        parse_config(FinetuneConfig, [*base, "--data_format", "chat"])
+    parse_config(FinetuneConfig, [*base, "--data_format", "text"])  # packed text: windows apply
+
+
 def test_a_recipe_that_is_not_yaml_is_named(tmp_path):
     """Bad input: a YAML syntax error names the recipe file (and the line), as a usage error."""
     recipe = tmp_path / "recipe.yaml"

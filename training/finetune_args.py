@@ -88,6 +88,12 @@ class FinetuneConfig(TrainConfig):
                 f"streaming=True works for packed text only, not data_format={self.data_format!r} with "
                 f"packing={self.packing}: examples are fitted to the block up front. Turn streaming off."
             )
+        if self.window_sampling != "blocks" and not (self.data_format == "text" and self.packing):
+            raise ValueError(
+                f"window_sampling={self.window_sampling!r} draws windows from one packed text, but "
+                f"data_format={self.data_format!r} with packing={self.packing} trains on whole examples, one a row: "
+                "remove --window_sampling (or use --data_format text with packing)."
+            )
         if self.lora_r < 1 or self.lora_alpha <= 0:
             raise ValueError(f"lora_r and lora_alpha must be positive, got {self.lora_r} and {self.lora_alpha}.")
         if not 0.0 <= self.lora_dropout < 1.0:
