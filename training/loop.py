@@ -484,7 +484,7 @@ def train(
         # the first step of this run (compilation, warm-up) is timed apart: its seconds and its tokens on every process
         first_step: tuple[float, int] | None = None
         first_step_logged = False
-        stop = False  # early stopping
+        stop = False  # a stop signal (training.preemption) asks for a checkpoint and the end
 
         # A step's loss is the mean over every target of its micro-batches on every process (as transformers'
         # Trainer does): each micro-batch's loss is its summed loss over that count (`num_items_in_batch`), so
