@@ -375,3 +375,15 @@ def test_help_documents_debug(capsys):
         with pytest.raises(SystemExit) as stop:
             main(["--help"])
         assert stop.value.code == 0 and "--debug" in capsys.readouterr().out
+
+
+def test_a_large_blank_file_is_refused_and_text_after_blanks_is_not(tmp_path):
+    """A whitespace-only file over the first 1 MB piece is still named as blank; text after 2 MB of spaces is text."""
+    from training.data import check_not_empty
+
+    blank, late = tmp_path / "blank.txt", tmp_path / "late.txt"
+    blank.write_bytes(b" \n" * 2**20)
+    late.write_bytes(b" " * 2**21 + b"ROMEO:")
+    with pytest.raises(ValueError, match="blank.txt is whitespace only"):
+        check_not_empty(blank)
+    check_not_empty(late)

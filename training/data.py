@@ -130,12 +130,17 @@ def load_files(train_file: str, validation_file: str | None = None, streaming: b
 
 
 def check_not_empty(path) -> None:
-    """A ValueError for a data file without text: empty, or (up to 1 MB) whitespace only. ``datasets`` would stop
-    at an empty file with a schema error, and a blank one leaves nothing to train on or score."""
-    size = pathlib.Path(path).stat().st_size
-    if size == 0 or (size <= 2**20 and not pathlib.Path(path).read_bytes().strip()):
-        what = "empty (0 bytes)" if size == 0 else "whitespace only"
-        raise ValueError(f"Data file {path} is {what}: there is no text in it. Pass a file holding the data.")
+    """A ValueError for a data file without text: empty or whitespace only. ``datasets`` would stop at an empty file
+    with a schema error, and a blank one leaves nothing to train on or score. Read in 1 MB pieces up to the first
+    byte that is not whitespace: the first piece for any real file."""
+    with open(path, "rb") as f:
+        size = 0
+        while piece := f.read(2**20):
+            size += len(piece)
+            if piece.strip():
+                return
+    what = "empty (0 bytes)" if size == 0 else "whitespace only"
+    raise ValueError(f"Data file {path} is {what}: there is no text in it. Pass a file holding the data.")
 
 
 def load_named_dataset(name: str, config_name: str | None = None, streaming: bool = False) -> dict[str, TextSplit]:
