@@ -70,6 +70,7 @@ from benchmarks.gpu_mfu import (
     positive_tflops,
     train_throughput,
 )
+from benchmarks.reference_nanogpt import DEFAULT_DATA_PATH
 from decoderlab.generation import compiled_decoding_is_on, generate, set_compiled_decoding
 from decoderlab.model_card import METRICS_NAME, read_metrics
 from training.data import tiny_shakespeare
@@ -598,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                         "dry run: out/)")  # fmt: skip
     parser.add_argument("--output_dir", type=pathlib.Path, default=REPO_ROOT / "out" / "gpu_check")
     parser.add_argument("--dataset_name", default=tiny_shakespeare(), help="Tiny Shakespeare: local copy or Hub id")
+    parser.add_argument("--nanogpt_data", type=pathlib.Path, default=DEFAULT_DATA_PATH,
+                        help="Tiny Shakespeare's input.txt, for the nanoGPT reference recipe (default %(default)s)")  # fmt: skip
     parser.add_argument("--peak_tflops", type=positive_tflops, default=H200_BF16_DENSE_TFLOPS, help="dense bf16 peak")
     parser.add_argument("--train_budget_s", type=float, default=180, help="no training variant starts past this")
     parser.add_argument("--only", nargs="+", choices=list(CHECKS), metavar="ROW",
@@ -615,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
                   prompt_length=8 if args.dry_run else 128, new_tokens=8 if args.dry_run else 128,
                   recipe_steps=6 if args.dry_run else None,
                   recipe_overrides=DRY_RECIPE_OVERRIDES if args.dry_run else (),
-                  reference_args=DRY_REFERENCE_ARGS if args.dry_run else NANOGPT_GPU_ARGS,
+                  reference_args=(*(DRY_REFERENCE_ARGS if args.dry_run else NANOGPT_GPU_ARGS),
+                                  "--data_path", str(args.nanogpt_data.resolve())),
                   peak_tflops=args.peak_tflops,
                   compile_backend="eager" if args.dry_run else "inductor",
                   backends=("sdpa",) if args.dry_run else ("sdpa", "flex_attention"),

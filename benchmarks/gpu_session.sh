@@ -26,6 +26,7 @@ rm -rf .whl .gpu-data
     --platform manylinux_2_17_x86_64 -d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 mkdir -p .gpu-data
 cp -r "$DATA" .gpu-data/tiny_shakespeare
+cp "$(dirname "$DATA")/tinyshakespeare/input.txt" .gpu-data/input.txt  # the nanoGPT reference recipe's text
 for path in .whl .gpu-data; do
     if ! git check-ignore -q "$path"; then
         echo "error: $path is not ignored by git; add /$path/ to .gitignore before carrying it." >&2
@@ -40,10 +41,12 @@ if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
 fi
 echo "prepared: .whl/ ($(ls .whl | tr '\n' ' ')) and .gpu-data/tiny_shakespeare; $(du -shc .whl .gpu-data | tail -1 | cut -f1) to carry"
 echo
-echo "device tool: carry [\".whl\", \".gpu-data\"], timeout_s 600 (gpu_check keeps within 540 s); command:"
+echo "device tool: carry [\".whl\", \".gpu-data\"], timeout_s 600 (gpu_check keeps within 540 s, skipping with a row" \
+    "what would end later: run those next with --only NAME ...); command:"
 echo
 extra=""
 for arg in "$@"; do extra+=" $(printf '%q' "$arg")"; done
 echo "set -o pipefail; python -m pip install --quiet --no-index --no-deps .whl/*.whl && HF_HUB_OFFLINE=1" \
     "HF_DATASETS_OFFLINE=1 PYTHONPATH=. python -m benchmarks.gpu_check --dataset_name .gpu-data/tiny_shakespeare" \
+    "--nanogpt_data .gpu-data/input.txt" \
     "--commit $commit --json_out \"\$OUT\"$extra 2>&1 | tee \"\$OUT/gpu_check.log\""
