@@ -49,22 +49,28 @@ def steps_for(train_chars: int, passes: float) -> int:
     return max(1, round(passes * train_chars / (BATCH_SIZE * BLOCK_SIZE)))
 
 
+def pretrain(command: list[str], threads: int, output: pathlib.Path) -> tuple[float, list[dict], list[dict]]:
+    """Run a training.pretrain ``command`` offline on ``threads`` threads: its wall time, its metrics records and its
+    validation curve ([{"step", "val"}])."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    start = time.perf_counter()
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
+    wall = time.perf_counter() - start
+    records = read_metrics(output / METRICS_NAME)
+    return wall, records, [{"step": r["step"], "val": r["eval_loss"]} for r in records if "eval_loss" in r]
+
+
 def run_decoderlab(sampling: str, files: tuple[pathlib.Path, pathlib.Path], steps: int, eval_steps: int,
                    threads: int, work: pathlib.Path, extra: list[str]) -> dict:  # fmt: skip
     """``training/pretrain.py`` with the default recipe on ``files`` (train, validation): its validation curve."""
     output = work / f"run-{sampling}"
     command = [
         sys.executable, "-m", "training.pretrain", "--config", str(RECIPE), "--train_file", str(files[0]),
-        "--validation_file", str(files[1]), "--output_dir", str(output), "--window_sampling", sampling,
+        "--validation_file", str(files[1]), "--output_dir", str(output), "--overwrite_output_dir", "--window_sampling", sampling,
         "--max_train_steps", str(steps), "--eval_steps", str(eval_steps), "--max_eval_samples", "none",
         "--logging_steps", str(eval_steps), "--checkpointing_steps", "none", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    start = time.perf_counter()
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
-    wall = time.perf_counter() - start
-    records = read_metrics(output / METRICS_NAME)
-    curve = [{"step": r["step"], "val": r["eval_loss"]} for r in records if "eval_loss" in r]
+    wall, records, curve = pretrain(command, threads, output)
     train = [{"step": r["step"], "train": r["train_loss"]} for r in records if r.get("train_loss") is not None]
     return {"name": f"decoderlab, window_sampling={sampling}", "sampling": sampling, "wall_time_s": wall,
             "curve": curve, "train_curve": train, "final_val": curve[-1]["val"]}  # fmt: skip
@@ -76,14 +82,9 @@ def run_demo(sampling: str, threads: int, work: pathlib.Path, extra: list[str]) 
     output = work / f"demo-{sampling}"
     command = [
         sys.executable, "-m", "training.pretrain", "--config", str(RECIPE), "--dataset_name", tiny_shakespeare(),
-        "--output_dir", str(output), "--window_sampling", sampling, *extra,
+        "--output_dir", str(output), "--overwrite_output_dir", "--window_sampling", sampling, *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    start = time.perf_counter()
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, cwd=REPO_ROOT)
-    wall = time.perf_counter() - start
-    records = read_metrics(output / METRICS_NAME)
-    curve = [{"step": r["step"], "val": r["eval_loss"]} for r in records if "eval_loss" in r]
+    wall, records, curve = pretrain(command, threads, output)
     last_train = [r for r in records if r.get("train_loss") is not None][-1]
     return {"name": f"make demo, window_sampling={sampling}", "sampling": sampling, "command_s": wall,
             "loop_s": last_train["elapsed_s"], "steps": last_train["step"], "curve": curve,

@@ -44,7 +44,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from .args import TrainConfig
-from .sampling import TokenWindows, WindowBatches, check_sampling
+from .sampling import TokenWindows, WindowBatches, check_same_position, check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -679,13 +679,7 @@ class BlockBatches:
     def load_state_dict(self, state: dict) -> None:
         check_data_state(state, self.kind, self.global_batch_size // self.batch_size)
         now = {"global_batch_size": self.global_batch_size, "blocks": self.num_blocks, "seed": self.seed}
-        if differ := {key: (state[key], value) for key, value in now.items() if state[key] != value}:
-            listed = ", ".join(f"{key} {old} in the checkpoint, {new} now" for key, (old, new) in differ.items())
-            raise ValueError(
-                f"The checkpoint's data position does not carry over to this run ({listed}): the same step would be "
-                "other blocks. Resume with the checkpoint's data, seed and global batch size "
-                "(per_device_train_batch_size x processes)."
-            )
+        check_same_position(state, now, "blocks")
 
     def order(self, epoch: int) -> torch.Tensor:
         return torch.randperm(self.num_blocks, generator=torch.Generator().manual_seed(self.seed + epoch))

@@ -193,13 +193,7 @@ class WindowBatches:
     def load_state_dict(self, state: dict) -> None:
         check_sampling(state, self.sampling)
         now = {"global_batch_size": self.global_batch_size, "tokens": len(self.tokens), "seed": self.seed}
-        if differ := {key: (state[key], value) for key, value in now.items() if state[key] != value}:
-            listed = ", ".join(f"{key} {old} in the checkpoint, {new} now" for key, (old, new) in differ.items())
-            raise ValueError(
-                f"The checkpoint's data position does not carry over to this run ({listed}): the same step would be "
-                "other windows. Resume with the checkpoint's data, seed and global batch size "
-                "(per_device_train_batch_size x processes)."
-            )
+        check_same_position(state, now, "windows")
 
     def iterate(self, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         first = self.process_index * self.batch_size
@@ -219,4 +213,16 @@ def check_sampling(state: dict, sampling: str) -> None:
             f"The checkpoint's batches were drawn with {drawn} and this run's with window_sampling={sampling!r}: "
             f"its position in the data does not carry over. Resume with --window_sampling {saved or 'blocks'}, or "
             "start a new run."
+        )
+
+
+def check_same_position(state: dict, now: dict, unit: str) -> None:
+    """Refuse a checkpoint's data position (``state``) whose global batch size, data size or seed differ from this
+    run's (``now``): the same step would be other ``unit`` ("windows", "blocks"). Names each value that differs."""
+    if differ := {key: (state[key], value) for key, value in now.items() if state[key] != value}:
+        listed = ", ".join(f"{key} {old} in the checkpoint, {new} now" for key, (old, new) in differ.items())
+        raise ValueError(
+            f"The checkpoint's data position does not carry over to this run ({listed}): the same step would be "
+            f"other {unit}. Resume with the checkpoint's data, seed and global batch size "
+            "(per_device_train_batch_size x processes)."
         )
