@@ -20,6 +20,9 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import GenerationConfig, PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 PositionEmbeddingType = Literal["rope", "sinusoidal", "learned", "none"]
 NormPlacement = Literal["pre", "post", "sandwich"]
@@ -292,6 +295,14 @@ KNOWN_KEYWORDS = frozenset(
 )  # fmt: skip
 
 
+# Other models' names for the norms' epsilon: transformers' own test utilities (testing_utils.
+# set_config_for_less_flaky_test) set every one of them on any config, and configs converted by hand carry them.
+# They load, with a warning naming decoderlab's field, since they change nothing here.
+OTHER_EPSILON_NAMES = frozenset(
+    {"rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "post_norm_eps", "batch_norm_eps"}
+)
+
+
 @functools.cache
 def _known_keywords() -> frozenset[str]:
     return KNOWN_KEYWORDS | frozenset(GenerationConfig().to_dict())
@@ -304,6 +315,9 @@ def _check_keywords(kwargs: dict) -> None:
     fields = [name for name in DecoderLabConfig.__annotations__ if not name.startswith("_")]
     for key, value in kwargs.items():
         if key.startswith("_") or key in _known_keywords():
+            continue
+        if key in OTHER_EPSILON_NAMES:
+            logger.warning_once(f"DecoderLabConfig does not read {key}={value!r}: the norms' epsilon is norm_eps.")
             continue
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
         if close:

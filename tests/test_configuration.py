@@ -329,6 +329,22 @@ def test_misspelt_keyword_is_an_error_naming_the_field(build):
         build(norm_placment="post")
 
 
+def test_other_models_epsilon_names_load_with_a_warning_naming_norm_eps(caplog):
+    """``rms_norm_eps``, ``norm_epsilon``, ...: other models' names for the norms' epsilon, which transformers' own
+    test utilities set on every config (``set_config_for_less_flaky_test``), load; one warning names ``norm_eps``,
+    and the field keeps its value."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    with caplog.at_level(logging.WARNING):
+        config = DecoderLabConfig(hidden_size=64, num_attention_heads=4, norm_epsilon=1.0, rms_norm_eps=1e-6)
+    assert config.norm_eps == DecoderLabConfig().norm_eps
+    assert "norm_epsilon=1.0" in caplog.text and "norm_eps" in caplog.text
+    DecoderLabConfig(**config.to_dict())  # and again from its own dict, as the common tests rebuild it
+
+
 def test_misspelt_key_in_config_json_is_an_error(tmp_path):
     """The same typo in a hand-edited config.json is refused on load, naming the field."""
     DecoderLabConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
