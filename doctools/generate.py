@@ -245,13 +245,13 @@ SITE_LINK = re.compile(r"(?P<head>\]\(\s*<?)(?P<target>[^)\s>#]+)(?P<tail>[^)]*\
 
 
 def published_files() -> dict[str, pathlib.Path]:
-    """Site path -> file for every results file and note (``benchmarks/results/speed.json``): the same path as in
+    """Site path -> file for every results file, plot and note (``benchmarks/results/speed.json``): the same path as in
     the repository, so their links to each other hold as they are."""
     return {
         path.relative_to(REPO_ROOT).as_posix(): path
         for folder in PUBLISHED_DIRS
         for path in sorted((REPO_ROOT / folder).rglob("*"))
-        if path.is_file() and path.suffix in (".json", ".md")
+        if path.is_file() and path.suffix in (".json", ".md", ".png")  # results, notes, the plots drawn from them
     }
 
 
