@@ -321,7 +321,7 @@ def test_push_includes_intermediate_checkpoints_only_when_asked(hub, training_fo
     top_level_pickle = training_folder.parent / "pickled"
     shutil.copytree(training_folder, top_level_pickle)
     save_pickle(top_level_pickle / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"pickle files would be uploaded: pytorch_model\.bin$"):
+    with pytest.raises(ValueError, match=r"pickle files would be uploaded: pytorch_model\.bin; delete them"):
         push_to_hub(top_level_pickle, "decoderlab-org/with-checkpoints", token=hub.token, include_checkpoints=True)
 
 
