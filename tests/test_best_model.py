@@ -18,8 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import decoderlab
-from tests.paths import INPUT_TXT
-from tests.training_runs import metrics
+from tests.training_runs import metrics, text_files_in
 from training import pretrain
 from training.args import TrainConfig, parse_config
 from training.checkpointing import STATE_NAME, list_checkpoints
@@ -31,11 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # the same arithmetic in eve
 
 @pytest.fixture(scope="module")
 def overfit_files(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
-    corpus = INPUT_TXT.read_text(encoding="utf-8")
-    folder = tmp_path_factory.mktemp("overfit")
-    (folder / "train.txt").write_text(corpus[:3000])
-    (folder / "validation.txt").write_text(corpus[60_000:66_000])
-    return folder / "train.txt", folder / "validation.txt"
+    return text_files_in(tmp_path_factory.mktemp("overfit"), 3000)
 
 
 def overfit_argv(files, output_dir, *extra: str) -> list[str]:

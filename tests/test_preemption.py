@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.paths import INPUT_TXT, REPO_ROOT
+from tests.paths import REPO_ROOT
 from tests.test_finetune import base_checkpoint, corpus, finetune_argv, speech_data  # noqa: F401 (fixtures)
-from tests.training_runs import folder_snapshot, metrics, subprocess_env
+from tests.training_runs import folder_snapshot, metrics, subprocess_env, text_files_in
 from training import finetune, pretrain
 from training.args import TrainConfig
 from training.checkpointing import STATE_NAME, list_checkpoints, resolve_checkpoint
@@ -40,11 +40,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # here and in the subprocess
 
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
-    text = INPUT_TXT.read_text(encoding="utf-8")
-    folder = tmp_path_factory.mktemp("text")
-    (folder / "train.txt").write_text(text[:60_000])
-    (folder / "validation.txt").write_text(text[60_000:66_000])
-    return folder / "train.txt", folder / "validation.txt"
+    return text_files_in(tmp_path_factory.mktemp("text"), 60_000)
 
 
 def run_argv(text_files, output_dir, *extra: str, hidden: int = 32) -> list[str]:

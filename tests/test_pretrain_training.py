@@ -21,13 +21,14 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import decoderlab
-from tests.paths import INPUT_TXT, REPO_ROOT
+from tests.paths import REPO_ROOT
 from tests.training_runs import (
     final_eval_loss,
     folder_snapshot,
     kill_when_saved,
     metrics,
     subprocess_env,
+    text_files_in,
     train_losses,
 )
 from training import checkpointing, loop, pretrain
@@ -56,11 +57,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # here and in the subprocess
 
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
-    corpus = INPUT_TXT.read_text(encoding="utf-8")
-    folder = tmp_path_factory.mktemp("text")
-    (folder / "train.txt").write_text(corpus[:60_000])
-    (folder / "validation.txt").write_text(corpus[60_000:66_000])
-    return folder / "train.txt", folder / "validation.txt"
+    return text_files_in(tmp_path_factory.mktemp("text"), 60_000)
 
 
 def tiny_argv(text_files, output_dir, *extra: str) -> list[str]:

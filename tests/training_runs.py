@@ -13,7 +13,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import decoderlab
-from tests.paths import REPO_ROOT
+from tests.paths import INPUT_TXT, REPO_ROOT
 from training.loop import METRICS_NAME, read_metrics
 
 
@@ -45,6 +45,15 @@ def save_checkpoint_folder(model, tokenizer, folder: pathlib.Path) -> pathlib.Pa
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def text_files_in(folder: pathlib.Path, train_chars: int) -> tuple[pathlib.Path, pathlib.Path]:
+    """train.txt (Tiny Shakespeare's first ``train_chars`` characters) and validation.txt (characters 60,000 to
+    66,000, past every training text the tests cut) in ``folder``: a run's --train_file and --validation_file."""
+    corpus = INPUT_TXT.read_text(encoding="utf-8")
+    (folder / "train.txt").write_text(corpus[:train_chars])
+    (folder / "validation.txt").write_text(corpus[60_000:66_000])
+    return folder / "train.txt", folder / "validation.txt"
 
 
 def metrics(output_dir) -> list[dict]:
