@@ -29,7 +29,7 @@ The checks, fastest first (each a row of the table: what, the figure, PASS / FAI
    eager with a dynamic cache, and at batch 1 with a static cache and a compiled decoding step
    (``decoderlab.generation``, what ``training/generate.py`` does on CUDA): the goal is 5x the eager 121 tokens/s.
 8. That compiled decoding gives eager greedy decoding's tokens at the GPT-2-small shape (float32, batch 1), and a
-   checkpoint's saved generation config (a static cache) makes a plain ``generate`` (so ``pipeline``) compile too.
+   ``generate(cache_implementation="static")`` (so ``pipeline`` given it) compiles by itself too.
 
 Each check has a name (``--only NAME ...``) and an estimated time on an H200 (``CHECKS``); a check that would end
 past ``--budget_s`` (9 minutes) is skipped with a row saying so.
@@ -530,9 +530,13 @@ def generation_tokens(setup: Setup) -> list[Row]:
     return [row, saved_config_compiles(setup, model, prompt, eager)]
 
 
+PIPELINE_ROW = "generate(cache_implementation='static') compiles on CUDA (pipeline)"
+
+
 def saved_config_compiles(setup: Setup, model, prompt: torch.Tensor, eager: torch.Tensor) -> Row:
-    """A checkpoint's saved generation config (``training.models.set_sampling_defaults``: a static cache, no compile
-    settings), as ``pipeline("text-generation")`` and a plain ``model.generate`` use it: on CUDA transformers runs
+    """A plain ``model.generate`` asked for a static cache and no compile settings, as ``pipeline("text-generation",
+    ..., cache_implementation="static")`` runs it (saved checkpoints keep the dynamic cache until this row has
+    measured the static one on a GPU: training.models.set_sampling_defaults): on CUDA transformers runs
     the decoding steps through the compiled call by itself (counted here), with eager's tokens. On a CPU it does
     not compile: n/a."""
     generation = model.generation_config
@@ -547,9 +551,9 @@ def saved_config_compiles(setup: Setup, model, prompt: torch.Tensor, eager: torc
     same = torch.equal(tokens, eager)
     value = f"{len(calls)} compiled decoding steps, {'same' if same else 'different'} tokens as eager"
     if setup.device != "cuda":
-        return Row("saved generation config compiles on CUDA (pipeline)", f"not on a CPU ({value})", None)
+        return Row(PIPELINE_ROW, f"not on a CPU ({value})", None)
     passed = same and len(calls) >= setup.new_tokens - 1
-    return Row("saved generation config compiles on CUDA (pipeline)", value, passed,
+    return Row(PIPELINE_ROW, value, passed,
                details={"compiled_steps": len(calls), "same": same})  # fmt: skip
 
 

@@ -122,10 +122,11 @@ def set_sampling_defaults(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     generation.eos_token_id, generation.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
     # a tokenizer without a padding token (one made before decoderlab's had one): pad with the end of text
     generation.pad_token_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    # A static KV cache: on a GPU, generate() and pipeline("text-generation") then compile the decoding step by
-    # themselves (transformers' own switch; decoderlab.generation). On a CPU nothing compiles; generate.py decodes
-    # there with a dynamic cache (set_compiled_decoding).
-    generation.cache_implementation = "static"
+    # No cache_implementation: transformers' dynamic cache, the plain default. A saved static cache would make
+    # generate() and pipeline() compile the decoding step on a GPU by themselves, but has not been measured there yet,
+    # and on a CPU it decodes about 10% slower uncompiled; generate.py and the explorer turn compiled decoding on for
+    # CUDA themselves (decoderlab.generation.set_compiled_decoding), and pipeline users pass
+    # cache_implementation="static".
 
 
 def build_model(fields: dict, tokenizer: PreTrainedTokenizerBase, block_size: int) -> DecoderLabForCausalLM:
