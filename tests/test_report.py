@@ -7,6 +7,8 @@ folder, one thing changed at a time."""
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +45,27 @@ def test_the_pages_say_what_the_results_say(capsys):
     """The committed README and docs/performance.md are exactly what the committed results render to."""
     status, out = check(capsys)
     assert status == 0, out
+
+
+def test_the_check_runs_without_torch():
+    """CI runs ``python3 -m benchmarks.report --check`` with the machine's bare Python, before anything is
+    installed: with torch (and everything that imports it) made unimportable, the check still passes."""
+    blocked = "import sys, runpy; sys.modules.update(dict.fromkeys(['torch', 'transformers', 'decoderlab'])); "
+    run = subprocess.run(
+        [sys.executable, "-c", blocked + "sys.argv = ['report', '--check']; "
+         "runpy.run_module('benchmarks.report', run_name='__main__')"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_stored_memory_verdicts_are_what_the_stored_rows_give():
+    """The memory table shows the verdicts stored in training_memory.json; they are what ``goals`` computes from
+    the stored rows, so the report reading them instead of importing the benchmark loses nothing."""
+    from benchmarks.training_memory import goals
+
+    stored = json.loads((report.RESULTS / "training_memory.json").read_text())
+    assert stored["goals"] == goals(stored["rows"])
 
 
 def test_a_figure_changed_on_the_page_is_named_with_its_page_table_and_json(copy, capsys):
