@@ -55,11 +55,11 @@ class Cluster:
         key.chmod(0o400)
         folder.chmod(0o700)
         munge_socket = folder / "munge.socket"
-        host = socket.gethostname().split(".")[0]
+        host = socket.gethostname().split(".")[0]  # addressed as 127.0.0.1: no name lookup needed
         self.conf = folder / "slurm.conf"
         self.conf.write_text(
             "\n".join([
-                "ClusterName=decoderlab-test", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
+                "ClusterName=decoderlab-test", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
                 "AuthType=auth/munge", "CredType=cred/munge",
                 f"AuthInfo=socket={munge_socket},cred_expire={REQUEUE_DELAY_S}",
                 f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
@@ -69,7 +69,7 @@ class Cluster:
                 "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
                 "SelectType=select/cons_tres", "SchedulerType=sched/backfill",
                 "SchedulerParameters=sched_interval=2,bf_interval=1", "ReturnToService=2", "MpiDefault=none",
-                f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
+                f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
                 f"PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP",
             ]) + "\n"
         )  # fmt: skip
@@ -79,7 +79,7 @@ class Cluster:
                     f"--pid-file={folder / 'munged.pid'}", f"--log-file={folder / 'munged.log'}",
                     f"--seed-file={folder / 'munged.seed'}"], folder / "munged.pid")  # fmt: skip
         self.start([program("slurmctld"), "-f", str(self.conf)], folder / "slurmctld.pid")
-        self.start([program("slurmd"), "-f", str(self.conf)], folder / "slurmd.pid")
+        self.start([program("slurmd"), "-f", str(self.conf), "-N", host], folder / "slurmd.pid")
         self.wait_for(lambda: " idle" in self.run("sinfo", "--noheader", "--format=%N %t"), "the node idle", 60)
 
     def start(self, command: list[str], pid_file: pathlib.Path) -> None:
