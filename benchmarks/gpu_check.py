@@ -68,6 +68,7 @@ from benchmarks.gpu_mfu import (
     flops_per_token,
     goal_rows,
     positive_tflops,
+    profile_table,
     train_throughput,
 )
 from benchmarks.reference_nanogpt import DEFAULT_DATA_PATH
@@ -86,6 +87,7 @@ def results_path(gpu: str) -> pathlib.Path:
 
 
 MFU_GOAL = 0.40
+PROFILED, PROFILE_STEPS = ("decoderlab_gpt2", "nanogpt"), 3  # the training rows profiled, and for how many steps
 RECIPE_GOAL = 1.47  # the saved model's validation loss (nanoGPT's best on the H200: 1.463)
 # generate at batch 1, GPT-2-small shape, bf16, eager with a dynamic cache, on the H200 at ba4ff63
 # (benchmarks/results/gpu_check-h200-ba4ff63.json); compiled decoding's goal is GENERATION_GOAL times that
@@ -265,7 +267,8 @@ def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
     """gpu_mfu's measurement: bf16 autocast training of the GPT-2-small shape, decoderlab's gpt2 preset beside
     nanoGPT's model and its llama preset beside ``LlamaForCausalLM``, compiled then eager; the MFU and peak memory
     of each, and per pair and mode the goals of issue 40 (>= 1.0x the reference's tokens/s, MFU >= 40%, peak
-    memory <= the reference's)."""
+    memory <= the reference's). The gpt2 preset and nanoGPT are also profiled (``gpu_mfu.top_kernels``: the
+    kernels with the most device time per step, in the row's details and printed side by side)."""
     models = build_variant_models(setup.dry_run)
     batch, block, steps, warmup = (2, 32, 2, 1) if setup.dry_run else (16, 1024, 20, 5)
     fpt = {name: flops_per_token(models[ours], block) for ours, ref in REFERENCE.items() for name in (ours, ref)}
@@ -278,7 +281,9 @@ def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
         model = models[name]
         if mode == "compiled":
             model.forward = torch.compile(model.forward, backend=setup.compile_backend)
-        result = train_throughput(model, batch, block, steps, warmup, setup.device)
+        # the gpt2 pair is profiled too (3 more steps): the note on the remaining gap reads its top kernels
+        profile_steps = PROFILE_STEPS if name in PROFILED else 0
+        result = train_throughput(model, batch, block, steps, warmup, setup.device, profile_steps=profile_steps)
         if mode == "compiled":
             del model.forward
         model.to("cpu")  # the next variant's peak memory is its own
@@ -288,6 +293,8 @@ def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
         memory = f", peak {result['peak_memory_gb']:.2f} GB" if result["peak_memory_gb"] is not None else ""
         value = f"{result['tokens_per_s']:,.0f} tokens/s, MFU {100 * result['mfu']:.1f}%{memory}"
         rows.append(Row(f"train {variant} (bf16)", value, goal, details=result))
+    if any("top_kernels" in result for result in results.values()):
+        print(profile_table(results), flush=True)
     for goal in goal_rows(results):
         ours, reference = results[goal["variant"]], results[goal["reference"]]
         mode = goal["variant"].split("-")[1]
@@ -586,7 +593,7 @@ CHECKS = {
     "bf16": (check_bf16_against_llama, 5),
     "static_compile": (check_compiled_static_generation, 15),
     "no_sync": (check_no_sync_per_decoding_step, 5),
-    "training": (training_throughput, 190),  # eight variants, each compiled or eager, 30 steps
+    "training": (training_throughput, 200),  # eight variants, each compiled or eager, 30 steps; 4 profiled
     "recipe": (recipe_run, 230),  # the whole recipe (compiled, stops early) + nanoGPT's 124 s command + a scoring
     "generation": (generation_speed, 60),  # 21 s at ba4ff63 (eager only), + one bf16 compilation
     "generation_tokens": (generation_tokens, 45),  # one float32 compilation, one eager and one compiled generate

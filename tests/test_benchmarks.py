@@ -189,8 +189,8 @@ def test_gpu_mfu_refuses_a_peak_that_is_not_above_zero(peak, capsys):
 def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
     """``python -m benchmarks.gpu_check --dry_run``, the code a GPU run executes, on CPU at tiny sizes: every check
     has its row in the table and the JSON, the equivalence checks pass (backends, bf16 against Llama, static cache
-    with a compiled forward, decoderlab and Llama ending at the same training loss), the recipe's subprocess ran
-    to a finite validation loss, and the exit status is 0."""
+    with a compiled forward, decoderlab and Llama ending at the same training loss), the gpt2 preset and nanoGPT
+    are profiled in both modes, the recipe's subprocess ran to a finite validation loss, and the exit status is 0."""
     out = tmp_path / "check.json"
     stdout = run_module("benchmarks.gpu_check", "--dry_run", "--output_dir", str(tmp_path), "--json_out", str(out))
     report = json.loads(out.read_text())
@@ -213,6 +213,11 @@ def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
         "train llama-eager (bf16)",
     ):
         assert rows[check]["details"]["tokens_per_s"] > 0, check
+    for variant in ("decoderlab_gpt2-compiled", "nanogpt-compiled", "decoderlab_gpt2-eager", "nanogpt-eager"):
+        kernels = rows[f"train {variant} (bf16)"]["details"]["top_kernels"]  # the profile the GPU note reads
+        assert kernels and all(k["ms_per_step"] >= 0 and k["calls_per_step"] > 0 for k in kernels), variant
+        assert f"## {variant}:" in stdout, variant
+    assert "top_kernels" not in rows["train llama-compiled (bf16)"]["details"]
     recipe = rows["shakespeare_char_gpu recipe"]["details"]  # the whole command, its folder scored by evaluate.py
     assert math.isfinite(recipe["saved_eval_loss"])
     assert recipe["saved_eval_loss"] == pytest.approx(recipe["saved_eval_loss_in_run"], rel=1e-5)
