@@ -31,6 +31,7 @@ from transformers import LlamaForCausalLM
 
 from benchmarks.common import write_results
 from benchmarks.reference_nanogpt import NanoGPT, NanoGPTConfig
+from benchmarks.training_memory import allocations
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.export.families import llama_config_from_decoderlab
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
@@ -150,24 +151,27 @@ def train_throughput(
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
     }
     if profile_steps:
-        result["top_kernels"] = top_kernels(step, profile_steps, device)
+        result.update(profiled(step, profile_steps, device))
     return result
 
 
-def top_kernels(step, steps: int, device: str, limit: int = 15) -> list[dict]:
-    """``steps`` calls of ``step`` under ``torch.profiler``: the ``limit`` ops (kernels on a GPU) with the most self
-    time, each with its total per step in ms and its calls per step."""
+def profiled(step, steps: int, device: str, limit: int = 15) -> dict:
+    """``steps`` calls of ``step`` under ``torch.profiler``: ``top_kernels``, the ``limit`` ops (kernels on a GPU)
+    with the most self time, each with its total per step in ms and its calls per step; and, from the allocations
+    on ``device`` (``training_memory.allocations``), ``largest_allocations_mb``: the buffers that make a peak, a
+    logits-sized float32 one among them when there is one."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         for _ in range(steps):
             step()
         synchronize(device)
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     averages = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:limit]
-    return [{"name": e.key, "ms_per_step": getattr(e, key) / 1e3 / steps, "calls_per_step": e.count / steps}
-            for e in averages]  # fmt: skip
+    kernels = [{"name": e.key, "ms_per_step": getattr(e, key) / 1e3 / steps, "calls_per_step": e.count / steps}
+               for e in averages]  # fmt: skip
+    return {"top_kernels": kernels, "largest_allocations_mb": [n / 1e6 for n in allocations(prof, device)[1]]}
 
 
 def profile_table(results: dict[str, dict]) -> str:
@@ -176,7 +180,9 @@ def profile_table(results: dict[str, dict]) -> str:
     for variant, result in results.items():
         if "top_kernels" not in result:
             continue
-        lines = [f"## {variant}: {result['step_ms']:.1f} ms/step timed", f"{'ms/step':>9} {'calls':>6}  kernel"]
+        largest = ", ".join(f"{mb:,.0f}" for mb in result["largest_allocations_mb"])
+        lines = [f"## {variant}: {result['step_ms']:.1f} ms/step timed; largest allocations {largest} MB",
+                 f"{'ms/step':>9} {'calls':>6}  kernel"]  # fmt: skip
         lines += [
             f"{k['ms_per_step']:9.3f} {k['calls_per_step']:6.1f}  {k['name'][:110]}" for k in result["top_kernels"]
         ]

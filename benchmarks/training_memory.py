@@ -83,10 +83,14 @@ def saved_bytes(parameters: set[int], record: list):
         yield
 
 
-def allocations(profile) -> tuple[int, list[int]]:
-    """The peak of allocated bytes (allocations minus frees, from the block's start) and the largest allocations."""
+def allocations(profile, device: str = "cpu") -> tuple[int, list[int]]:
+    """The peak of bytes allocated on ``device`` ("cpu" or "cuda": allocations minus frees, from the block's start)
+    and the largest allocations there."""
+    device_type = getattr(torch.autograd.DeviceType, device.upper())
     events = sorted(
-        (e.start_ns(), e.nbytes()) for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"
+        (e.start_ns(), e.nbytes())
+        for e in profile.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == device_type
     )
     live = peak = 0
     for _, nbytes in events:

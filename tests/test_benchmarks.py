@@ -216,6 +216,8 @@ def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
     for variant in ("decoderlab_gpt2-compiled", "nanogpt-compiled", "decoderlab_gpt2-eager", "nanogpt-eager"):
         kernels = rows[f"train {variant} (bf16)"]["details"]["top_kernels"]  # the profile the GPU note reads
         assert kernels and all(k["ms_per_step"] >= 0 and k["calls_per_step"] > 0 for k in kernels), variant
+        largest = rows[f"train {variant} (bf16)"]["details"]["largest_allocations_mb"]
+        assert largest and largest == sorted(largest, reverse=True) and largest[0] > 0, variant
         assert f"## {variant}:" in stdout, variant
     assert "top_kernels" not in rows["train llama-compiled (bf16)"]["details"]
     recipe = rows["shakespeare_char_gpu recipe"]["details"]  # the whole command, its folder scored by evaluate.py
