@@ -129,6 +129,15 @@ def test_the_guide_shows_the_script_as_committed():
     assert f"```bash\n{SCRIPT.read_text()}```\n" in guide
 
 
+def test_the_script_run_outside_slurm_says_to_submit_it():
+    """Run with bash instead of sbatch (no SLURM_JOB_ID), the script stops at once with one line saying how to
+    submit it, instead of failing on a missing srun or scontrol."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"error: this is a SLURM job script: submit it with sbatch {SCRIPT} [pretrain.py flags ...]\n"
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_the_job_script_saves_before_the_limit_requeues_itself_and_resumes_exactly(tmp_path, cluster):
