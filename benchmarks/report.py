@@ -295,6 +295,18 @@ def training_memory_rows(report: dict) -> list[Line]:
     return markdown_table(header, "lllrrll", rows)
 
 
+def compiled_step_rows(report: dict) -> list[Line]:
+    """Counts of one compiled training step (``benchmarks.investigations.compiled_step``): the products the compiled
+    code calls and the kernels Inductor generates, each decoderlab preset beside its reference."""
+    rows = []
+    for r in report["rows"]:
+        products = ", ".join(f"{op.removeprefix('aten::')} {n}" for op, n in r["products"].items() if n)
+        rows.append(([f"`{r['model']}`", str(r["layers"]), f"{r['products_total']} ({products})",
+                      str(r["attention_calls"]), str(r["generated_kernels"])], "compiled_step.json"))  # fmt: skip
+    header = ["model", "layers", "matrix products called", "attention kernels", "kernels Inductor generated"]
+    return markdown_table(header, "lrlrr", rows)
+
+
 def eval_batch_rows(report: dict) -> list[Line]:
     chosen = str(report["recipe_batch_size"])
     rows = [
@@ -550,6 +562,7 @@ TABLES = [
     Table("loss-paths", ("loss_paths.json",), "kernels.md", loss_paths_rows),
     Table("eval-batch", ("eval_batch.json",), "main-job-recipe.md", eval_batch_rows),
     Table("training-memory", ("training_memory.json",), "gpu-training-2026-12-04.md", training_memory_rows),
+    Table("compiled-step", ("compiled_step.json",), "gpu-training-2026-12-04.md", compiled_step_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
     Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
     Table("sampler-curves", SAMPLER_CURVES, "window-sampling.md", sampler_curves_rows),

@@ -231,6 +231,24 @@ def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
 
 
 @pytest.mark.slow
+def test_compiled_step_counts_the_products_of_each_compiled_step(tmp_path):
+    """``python -m benchmarks.investigations.compiled_step --quick``: the CPU named; each model's compiled step
+    calls matrix products and attention and Inductor generated kernels for it; the gpt2 preset calls exactly 6 more
+    products per layer than nanoGPT (q, k and v apart: 2 forward, 4 backward) and the llama preset as many as
+    Llama."""
+    out = tmp_path / "compiled_step.json"
+    stdout = run_module("benchmarks.investigations.compiled_step", "--quick", "--json_out", str(out))
+    assert "CPU:" in stdout
+    rows = {row["model"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"nanogpt", "decoderlab-gpt2", "llama", "decoderlab-llama"}
+    for row in rows.values():
+        assert row["products_total"] > 0 and row["attention_calls"] > 0 and row["generated_kernels"] > 0, row
+    layers = rows["nanogpt"]["layers"]
+    assert rows["decoderlab-gpt2"]["products_total"] - rows["nanogpt"]["products_total"] == 6 * layers
+    assert rows["decoderlab-llama"]["products"] == rows["llama"]["products"]
+
+
+@pytest.mark.slow
 def test_shakespeare_char_reports_both_wall_times_the_cpu_and_the_ratios(tmp_path):
     """A short run of both recipes: the JSON names the CPU and the threads, and for each recipe the whole
     command's and the training loop's wall times (the command's the larger) and the every-window loss; the
