@@ -61,6 +61,7 @@ from transformers import DynamicCache
 from benchmarks.common import Size, llama_pair, write_results
 from benchmarks.gpu_mfu import (
     H200_BF16_DENSE_TFLOPS,
+    PROFILE_STEPS,
     REFERENCE,
     VARIANTS,
     build_models,
@@ -87,7 +88,7 @@ def results_path(gpu: str) -> pathlib.Path:
 
 
 MFU_GOAL = 0.40
-PROFILED, PROFILE_STEPS = ("decoderlab_gpt2", "nanogpt"), 3  # the training rows profiled, and for how many steps
+PROFILED = ("decoderlab_gpt2", "nanogpt")  # the training rows also profiled, for gpu_mfu.PROFILE_STEPS more steps
 RECIPE_GOAL = 1.47  # the saved model's validation loss (nanoGPT's best on the H200: 1.463)
 # generate at batch 1, GPT-2-small shape, bf16, eager with a dynamic cache, on the H200 at ba4ff63
 # (benchmarks/results/gpu_check-h200-ba4ff63.json); compiled decoding's goal is GENERATION_GOAL times that
@@ -267,8 +268,9 @@ def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
     """gpu_mfu's measurement: bf16 autocast training of the GPT-2-small shape, decoderlab's gpt2 preset beside
     nanoGPT's model and its llama preset beside ``LlamaForCausalLM``, compiled then eager; the MFU and peak memory
     of each, and per pair and mode the goals of issue 40 (>= 1.0x the reference's tokens/s, MFU >= 40%, peak
-    memory <= the reference's). The gpt2 preset and nanoGPT are also profiled (``gpu_mfu.top_kernels``: the
-    kernels with the most device time per step, in the row's details and printed side by side)."""
+    memory <= the reference's). The gpt2 preset and nanoGPT are also profiled (``gpu_mfu.profiled``: the
+    kernels with the most device time per step and the largest allocations, in the row's details and printed side
+    by side)."""
     models = build_variant_models(setup.dry_run)
     batch, block, steps, warmup = (2, 32, 2, 1) if setup.dry_run else (16, 1024, 20, 5)
     fpt = {name: flops_per_token(models[ours], block) for ours, ref in REFERENCE.items() for name in (ours, ref)}
@@ -281,7 +283,7 @@ def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
         model = models[name]
         if mode == "compiled":
             model.forward = torch.compile(model.forward, backend=setup.compile_backend)
-        # the gpt2 pair is profiled too (3 more steps): the note on the remaining gap reads its top kernels
+        # the gpt2 pair is profiled too: the note on the remaining gap reads its top kernels
         profile_steps = PROFILE_STEPS if name in PROFILED else 0
         result = train_throughput(model, batch, block, steps, warmup, setup.device, profile_steps=profile_steps)
         if mode == "compiled":
