@@ -77,6 +77,7 @@ RECIPE_LABELS = {
     "block_size": "Block size (tokens)",
     "learning_rate": "Peak learning rate",
     "embedding_learning_rate": "Peak learning rate of the token embeddings",
+    "optimizer_groups": "Optimizer groups (peak rate, weight decay)",
     "precision": "Precision",
     "hardware": "Hardware",
     "wall_time_s": "Wall time",

@@ -41,9 +41,6 @@ from training.loop import (
     check_fsdp_launch,
     evaluate,
     make_accelerator,
-    make_optimizer,
-    make_scheduler,
-    param_groups,
     train,
 )
 from training.sharding import SHARDED_NAME
@@ -74,40 +71,6 @@ def tiny_argv(text_files, output_dir, *extra: str) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------
 # The loop's parts
-
-
-def test_weight_decay_skips_norms_biases_and_embeddings(tiny_config):
-    """Only weight matrices decay: not norm gains, biases, token or learned position embeddings (nor a tied head)."""
-    for overrides in ({}, {"tie_word_embeddings": True, "position_embedding_type": "learned", "attention_bias": True}):
-        model = decoderlab.DecoderLabForCausalLM(tiny_config(**overrides))
-        decay, no_decay = (group["params"] for group in param_groups(model, 0.1))
-        names = {id(p): n for n, p in model.named_parameters()}
-        decayed = {names[id(p)] for p in decay}
-        assert all(("proj" in n and n.endswith("weight")) or n == "lm_head.weight" for n in decayed), decayed
-        assert not any("norm" in n or "bias" in n or "embed" in n for n in decayed)
-        assert len(decay) + len(no_decay) == len(list(model.parameters()))
-        assert ("lm_head.weight" in decayed) == (not overrides)
-
-
-def test_embedding_learning_rate_is_a_group_of_its_own_that_follows_the_schedule(tiny_config):
-    """--embedding_learning_rate puts the token embeddings (and a tied head, the same matrix) into a third,
-    undecayed group with that peak rate; the schedule scales it by the same factor as the others."""
-    for tie in (False, True):
-        model = decoderlab.DecoderLabForCausalLM(tiny_config(tie_word_embeddings=tie))
-        cfg = TrainConfig(learning_rate=1e-3, embedding_learning_rate=4e-3, num_warmup_steps=2, max_train_steps=10)
-        optimizer = make_optimizer(model, cfg)
-        scheduler = make_scheduler(optimizer, cfg, cfg.max_train_steps)
-        *others, embeddings = optimizer.param_groups
-        assert embeddings["params"] == [model.model.embed_tokens.weight]
-        assert embeddings["weight_decay"] == 0.0 and embeddings["initial_lr"] == 4e-3
-        assert all(group["initial_lr"] == 1e-3 for group in others)
-        assert sum(len(group["params"]) for group in optimizer.param_groups) == len(list(model.parameters()))
-        for _ in range(5):
-            optimizer.step()
-            scheduler.step()
-            assert embeddings["lr"] == pytest.approx(4 * others[0]["lr"]) and others[0]["lr"] > 0
-    # without it: two groups, as before
-    assert len(make_optimizer(model, TrainConfig(learning_rate=1e-3)).param_groups) == 2
 
 
 def test_evaluate_weights_every_predicted_token_once(tiny_model):
@@ -413,6 +376,11 @@ def test_pretrain_learns_and_leaves_a_loadable_checkpoint(tmp_path, text_files, 
         info["packages"]["torch"] == torch.__version__.split("+")[0] or info["packages"]["torch"] == torch.__version__
     )
     assert "commit" in info["git"] and info["num_processes"] == 1
+    groups = {group["name"]: group for group in info["optimizer_groups"]}  # training.optim's split, with its rates
+    assert list(groups) == ["matrices", "other"] and groups["matrices"]["weight_decay"] == 0.1
+    assert groups["matrices"]["lr"] == groups["other"]["lr"] == 3e-3
+    assert sum(g["parameters"] for g in groups.values()) == model.num_parameters()
+    assert "matrices: lr 0.003, wd 0.1, " in (out / "README.md").read_text()
     resolved = yaml.safe_load((out / "training_config.yaml").read_text())
     assert TrainConfig(**resolved).max_train_steps == 60  # the saved configuration reproduces the run
 

@@ -20,6 +20,7 @@ from .args import TrainConfig
 from .best_model import stopped_early
 from .checkpointing import hardware_description, run_info, save_final_folder
 from .loop import TrainResult
+from .optim import groups_text
 
 
 def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes: int) -> dict:
@@ -32,6 +33,7 @@ def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes:
         "block_size": cfg.block_size,
         "learning_rate": cfg.learning_rate,
         **({} if cfg.embedding_learning_rate is None else {"embedding_learning_rate": cfg.embedding_learning_rate}),
+        **({"optimizer_groups": groups_text(result.optimizer_groups)} if result.optimizer_groups else {}),
         "precision": "fp32" if cfg.mixed_precision == "no" else f"{cfg.mixed_precision} autocast",
         "hardware": hardware,
         "wall_time_s": round(state.elapsed_s, 1),
@@ -108,7 +110,7 @@ def finish_run(
             )
         return
     model = result.model if final_model is None else final_model(result.model)
-    info = {**run_info(accelerator), **best_model_facts(cfg, result.state)}
+    info = {**run_info(accelerator), **best_model_facts(cfg, result.state), "optimizer_groups": result.optimizer_groups}
     save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
     accelerator.end_training()
     if not accelerator.is_main_process:

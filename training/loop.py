@@ -32,10 +32,8 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, extract_mo
 from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from decoderlab.model_card import METRICS_NAME, read_metrics  # the file's one reader (the card reads it too)
-from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 from .args import TrainConfig
 from .best_model import BestModel, best_checkpoint, stopped_early
@@ -48,6 +46,7 @@ from .checkpointing import (
     save_checkpoint,
 )
 from .data import Prefetched, count_targets, real_tokens
+from .optim import make_optimizer, make_scheduler, recorded_groups
 from .preemption import StopControl
 from .sharding import is_sharded, shard_model, step_only_when_synced
 
@@ -228,65 +227,6 @@ def setup_script_logging(accelerator: Accelerator) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Optimizer and schedule
-
-
-def param_groups(model: nn.Module, weight_decay: float, embedding_learning_rate: float | None = None) -> list[dict]:
-    """AdamW groups: weight decay on the weight matrices, none on norms, biases and embeddings; with
-    ``embedding_learning_rate``, the token embeddings in a third group of their own with that peak rate
-    (the schedule scales every group's rate by the same factor).
-
-    Decaying an embedding row pulls rare tokens toward zero for no gain, and decaying norm gains or
-    biases fights the scale they exist to set (the GPT-2 / nanoGPT / Llama recipes all exempt them).
-    A tied ``lm_head`` is the embedding matrix, so it is exempt too.
-    """
-    embedding_modules = (nn.Embedding, DecoderLabAbsolutePositionalEmbedding)
-    no_decay = {id(p) for m in model.modules() if isinstance(m, embedding_modules) for p in m.parameters()}
-    own_rate = set() if embedding_learning_rate is None else {id(p) for p in model.get_input_embeddings().parameters()}
-    decay, rest, embeddings = [], [], []
-    for param in model.parameters():
-        if not param.requires_grad:
-            continue
-        if id(param) in own_rate:
-            embeddings.append(param)
-        else:
-            (decay if param.ndim >= 2 and id(param) not in no_decay else rest).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    if embeddings:
-        groups.append({"params": embeddings, "weight_decay": 0.0, "lr": embedding_learning_rate})
-    return groups
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; the fused kernel where torch has one (CPU and CUDA): one call updates
-    every tensor, instead of a Python loop over them (about 4x faster for the nano model on CPU)."""
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay, cfg.embedding_learning_rate),
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
-        fused=fused or None,
-    )
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, num_training_steps: int):
-    """transformers' scheduler ``cfg.lr_scheduler_type``; stepped once per optimizer step."""
-    try:
-        return get_scheduler(
-            cfg.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=cfg.num_warmup_steps,
-            num_training_steps=num_training_steps,
-            scheduler_specific_kwargs=cfg.lr_scheduler_kwargs,
-        )
-    except TypeError as err:  # a keyword the scheduler does not take
-        raise ValueError(
-            f"lr_scheduler_kwargs={cfg.lr_scheduler_kwargs} do not fit lr_scheduler_type={cfg.lr_scheduler_type!r}: {err}"
-        ) from err
-
-
-# ----------------------------------------------------------------------------------------------
 # Evaluation
 
 
@@ -390,6 +330,7 @@ class TrainResult:
     eval_metrics: dict = field(default_factory=dict)  # the final evaluation over every validation block
     already_finished: bool = False  # resumed from a checkpoint at or past max_train_steps: nothing was run
     history: list[dict] = field(default_factory=list)  # every record of metrics.jsonl, the resumed run's before
+    optimizer_groups: list[dict] = field(default_factory=list)  # training.optim.recorded_groups: the run's record
 
 
 def train(
@@ -432,6 +373,7 @@ def train(
         model = shard_model(model, accelerator)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, max_steps)
+    optimizer_groups = recorded_groups(model, optimizer)
     if cfg.torch_compile:
         model.compile(backend=cfg.torch_compile_backend or "inductor")
     if cfg.fsdp:
@@ -615,7 +557,7 @@ def train(
             saved = {"best_global_step": state.best_global_step}
         final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
         metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed(), **saved})
-        return TrainResult(model, state, train_loss, final, history=metrics.records)
+        return TrainResult(model, state, train_loss, final, history=metrics.records, optimizer_groups=optimizer_groups)
 
 
 def num_training_steps(cfg: TrainConfig, batches) -> int:
