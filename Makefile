@@ -2,6 +2,7 @@
 #   make demo       pretrain the default recipe on Tiny Shakespeare, then generate from the result
 #   make test       the fast tests: everything not marked slow (the inner loop)
 #   make test-all   every test, the slow ones too (whole training runs, subprocesses, the Hub mirror): CI's
+#   make test-avx2  the fast tests (and the slow cpu_features ones) with the CPU's kernels held to AVX2: CI's too
 #   make docs       the documentation site in site/ (mkdocs build --strict)
 # Both create .venv and install decoderlab into it (torch 2.13.0 first: see README).
 
@@ -35,7 +36,7 @@ KATEX_DIR := docs/assets/katex
 # vendored: its tests/ folder and PKG-INFO, unpacked into .hf-tests/ (gitignored); .hf-tests/current points at it
 HF_TESTS := .hf-tests/current/tests
 
-.PHONY: venv olah llamacpp vllm hf-tests katex docs demo test test-all test-versions lint clean
+.PHONY: venv olah llamacpp vllm hf-tests katex docs demo test test-all test-avx2 test-versions lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -122,6 +123,14 @@ test: venv hf-tests
 
 test-all: venv olah llamacpp vllm hf-tests katex
 	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast tests and the slow ones marked cpu_features again, with torch's and oneDNN's kernels held to AVX2: what a
+# CPU without AVX-512, AMX or bf16 instructions runs (most laptops), on any x86-64 machine. The first line says which
+# kernels the run got (docs/development.md, "Other CPUs")
+AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+test-avx2: venv hf-tests
+	$(AVX2_ONLY) $(PY) -c "from benchmarks.common import machine_line; print(machine_line(2))"
+	$(AVX2_ONLY) DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow or cpu_features" $(PYTEST_ARGS)
 
 # The checkpoint round trip across transformers releases, each in its own environment under .venv-tf/
 test-versions:

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from benchmarks.reference_nanogpt import NanoGPT, NanoGPTConfig, NanoGPTRecipe, make_optimizer
+from benchmarks.report import kernels_text
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.export.families import FROM, decoderlab_config_from_gpt2, llama_config_from_decoderlab
 from training.checkpointing import cpu_model, git_commit, package_versions
@@ -307,11 +308,28 @@ def cpu_features() -> list[str]:
     )
 
 
+# The environment variables that hold torch's and oneDNN's kernels below what the CPU has: ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2 makes an AVX-512 machine run what an AVX2-only one runs (docs/development.md)
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def cpu_kernels() -> dict:
+    """What the kernels that ran used, which /proc/cpuinfo's flags alone do not tell when ``ISA_LIMITS`` hold them
+    lower: torch's vectorised kernels (``dispatch``: DEFAULT, AVX2, AVX512, ...), whether oneDNN computes bfloat16
+    in hardware, and the limits set."""
+    mkldnn = torch.backends.mkldnn.is_available()
+    return {
+        "dispatch": torch.backends.cpu.get_cpu_capability(),
+        "bf16": "hardware" if mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "software",
+        "limits": {name: os.environ[name] for name in ISA_LIMITS if name in os.environ},
+    }
+
+
 def machine_line(threads: int) -> str:
     """One line naming what a benchmark ran on, printed by every benchmark before its figures."""
     return (
-        f"CPU: {cpu_model()} ({os.cpu_count()} cores, {threads} threads), torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, load {load_average():.1f}"
+        f"CPU: {cpu_model()} ({os.cpu_count()} cores, {threads} threads; {kernels_text(cpu_kernels())}), "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, load {load_average():.1f}"
     )
 
 
@@ -340,6 +358,7 @@ def provenance(threads: int, source_commit: str | None = None) -> dict:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_features": cpu_features(),
+        "cpu_kernels": cpu_kernels(),
         "cores": os.cpu_count(),
         "threads": threads,
         "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -38,7 +38,8 @@ def train(folder: pathlib.Path) -> pathlib.Path:
     command = [sys.executable, str(REPO_ROOT / "training" / "pretrain.py"), "--config", str(RECIPE)]
     command += ["--dataset_name", str(DATA) if DATA.is_dir() else "karpathy/tiny_shakespeare"]
     command += ["--output_dir", str(folder), "--max_train_steps", "300"]
-    command += ["--eval_steps", "none", "--checkpointing_steps", "none", "--max_eval_samples", "8"]
+    command += ["--eval_steps", "none", "--load_best_model_at_end", "false", "--checkpointing_steps", "none",
+                "--max_eval_samples", "8"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return folder
 

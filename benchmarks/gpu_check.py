@@ -349,8 +349,9 @@ def training_script_run(setup: Setup) -> Row:
                *small, *(["--preprocessing_num_workers", "1"] if setup.dry_run else [])]  # fmt: skip
     steps = 4 if setup.dry_run else 500
     pretrain = [sys.executable, "-m", "training.pretrain", "--config", recipe, *data, "--prepared_data", str(shards),
-                "--output_dir", str(output_dir), "--overwrite_output_dir", "--max_train_steps", str(steps), "--eval_steps", "none",
-                "--checkpointing_steps", "none", "--logging_steps", str(max(1, steps // 10)), "--max_eval_samples", "64",
+                "--output_dir", str(output_dir), "--overwrite_output_dir", "--max_train_steps", str(steps),
+                "--eval_steps", "none", "--load_best_model_at_end", "false", "--checkpointing_steps", "none",
+                "--logging_steps", str(max(1, steps // 10)), "--max_eval_samples", "64",
                 "--num_warmup_steps", "10", "--torch_compile", str(not setup.dry_run).lower()]  # fmt: skip
     if setup.dry_run:  # a tiny model in float32, eager
         pretrain += ["--model.hidden_size", "32", "--model.num_hidden_layers", "1", "--model.num_attention_heads", "2",

@@ -86,12 +86,20 @@ def link(page: pathlib.Path, target: pathlib.Path, text: str) -> str:
     return f"[{text}]({pathlib.Path(os.path.relpath(target, page.parent)).as_posix()})"
 
 
+def kernels_text(kernels: dict) -> str:
+    """``cpu_kernels()`` in a few words: ``kernels AVX2, bf16 in software, held by ONEDNN_MAX_CPU_ISA=AVX2 ...``."""
+    limits = " ".join(f"{name}={value}" for name, value in kernels.get("limits", {}).items())
+    return f"kernels {kernels['dispatch']}, bf16 in {kernels['bf16']}" + (f", held by {limits}" if limits else "")
+
+
 def measured_on(provenance: dict) -> str:
     """Where and when, from a results file's provenance: what the run recorded, or what was backfilled."""
     versions = provenance.get("versions") or {}
     cpu = provenance.get("cpu") or "a CPU the file does not name"
     threads = provenance.get("threads")
     where = f"{cpu}, {threads} thread{'s' if threads != 1 else ''}" if threads else cpu
+    if (provenance.get("cpu_kernels") or {}).get("limits"):  # run with the CPU's extensions hidden
+        where += f" ({kernels_text(provenance['cpu_kernels'])})"
     if provenance.get("accelerator"):
         where += f", {provenance['accelerator']}"
     if provenance.get("recorded") == "at run time":

@@ -115,8 +115,8 @@ def tiny_shakespeare(repeats: int, steps: int, json_out: str | None) -> None:
     load_before = load_average()
     print(machine_line(threads=2))
     recipe = ["--config", str(REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"), "--logging_steps", "1",
-              "--max_train_steps", str(steps), "--eval_steps", "none", "--checkpointing_steps", "none",
-              "--max_eval_samples", "32"]  # fmt: skip
+              "--max_train_steps", str(steps), "--eval_steps", "none", "--load_best_model_at_end", "false",
+              "--checkpointing_steps", "none", "--max_eval_samples", "32"]  # fmt: skip
     samples: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)

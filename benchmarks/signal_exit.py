@@ -33,8 +33,8 @@ from decoderlab.configuration_decoderlab import PRESETS, SIZES
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRETRAIN = REPO_ROOT / "training" / "pretrain.py"
 DATA = REPO_ROOT.parent / "shared" / "data" / "tiny_shakespeare"  # the offline copy beside the checkout
-COMMON = ["--logging_steps", "1", "--eval_steps", "none", "--max_eval_samples", "8", "--checkpointing_steps", "none",
-          "--max_train_steps", "100000"]  # fmt: skip
+COMMON = ["--logging_steps", "1", "--eval_steps", "none", "--load_best_model_at_end", "false", "--max_eval_samples", "8",
+          "--checkpointing_steps", "none", "--max_train_steps", "100000"]  # fmt: skip
 WARM_STEPS = 5  # the signal comes after this many steps' records, once a step takes its usual time
 
 

@@ -150,6 +150,7 @@ def test_profile_step_reports_the_breakdowns():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_features  # inductor's vectorised code, bf16 autocast or kernel timings
 def test_gpu_mfu_dry_run_compares_like_with_like(tmp_path):
     """``python -m benchmarks.gpu_mfu --dry_run`` (CPU, a tiny model), the script to run when a GPU is lent: all
     four variants train, MFU is the FLOP count times the throughput over the peak, and decoderlab and
@@ -186,6 +187,7 @@ def test_gpu_mfu_refuses_a_peak_that_is_not_above_zero(peak, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_features  # inductor's vectorised code, bf16 autocast or kernel timings
 def test_gpu_check_dry_run_runs_every_check_and_writes_one_table(tmp_path):
     """``python -m benchmarks.gpu_check --dry_run``, the code a GPU run executes, on CPU at tiny sizes: every check
     has its row in the table and the JSON, the equivalence checks pass (backends, bf16 against Llama, static cache
@@ -255,7 +257,8 @@ def test_shakespeare_char_reports_both_wall_times_the_cpu_and_the_ratios(tmp_pat
     ratios are ours / nanoGPT's of those times."""
     out = tmp_path / "bench.json"
     shakespeare_char.main(["--reference_max_iters", "20", "--num_threads", "1", "--json_out", str(out), "--",
-                           "--max_train_steps", "20", "--eval_steps", "none", "--checkpointing_steps", "none"])  # fmt: skip
+                           "--max_train_steps", "20", "--eval_steps", "none", "--load_best_model_at_end", "false",
+                           "--checkpointing_steps", "none"])  # fmt: skip
     result = json.loads(out.read_text())
     assert result["cpu"] and result["num_threads"] == 1 and result["load_average_before"] >= 0
     for name in ("ours", "nanogpt"):
@@ -301,6 +304,7 @@ def test_char_packing_times_both_encodings_of_the_same_ids(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_features  # inductor's vectorised code, bf16 autocast or kernel timings
 def test_rms_norm_times_the_training_path_against_llamas_module_and_layer_norm(tmp_path):
     """``python -m benchmarks.investigations.rms_norm``: the CPU named, the three norms timed at every shape (it
     exits before timing if RMSNormFunction's gradients differ from autograd's through LlamaRMSNorm), the ratio their

@@ -37,6 +37,7 @@ from tests.training_runs import (
     final_eval_loss,
     folder_snapshot,
     kill_when_saved,
+    metrics,
     save_checkpoint_folder,
     subprocess_env,
     train_losses,
@@ -168,6 +169,26 @@ def test_lora_trains_only_adapters_and_the_merged_model_equals_base_plus_adapter
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_checkpoint), out / "adapter")
     torch.testing.assert_close(logits(merged, input_ids), logits(with_adapter, input_ids), atol=1e-5, rtol=1e-5)
     assert AutoTokenizer.from_pretrained(out).chat_template == DEFAULT_CHAT_TEMPLATE
+
+
+def test_lora_keeps_the_best_evaluations_adapter(tmp_path, base_checkpoint, speech_data):
+    """load_best_model_at_end, which the fine-tuning recipes turn on, with LoRA: the folder holds the adapter of the
+    best periodic evaluation, merged. "Best" is made the highest loss here (greater_is_better), so it is the first
+    evaluation and not the last step: the final evaluation, over the same blocks, equals that evaluation's loss, and
+    the merged model in the folder reproduces it."""
+    out = tmp_path / "best"
+    finetune.main(finetune_argv(base_checkpoint, speech_data, "prompt_completion", out, "--max_train_steps", "60",
+                                "--use_lora", "--merge_lora", "--load_best_model_at_end", "true",
+                                "--greater_is_better", "true"))  # fmt: skip
+    evals = {r["step"]: r["eval_loss"] for r in metrics(out) if "eval_loss" in r and "best_global_step" not in r}
+    final = metrics(out)[-1]
+    assert final["best_global_step"] == 20 and evals[20] > evals[40]  # the first evaluation, the worst
+    assert final["eval_loss"] == pytest.approx(evals[20], rel=1e-6)
+    validation = str(speech_data / "prompt_completion_validation.jsonl")
+    measured = evaluate.main([str(out), "--data_file", validation, "--data_format", "prompt_completion",
+                              "--block_size", "96", "--model_card", "false", "--output_file", str(tmp_path / "e.json")])  # fmt: skip
+    assert measured["eval_loss"] == pytest.approx(evals[20], rel=1e-5)
+    assert json.loads((out / "run_info.json").read_text())["saved_weights_step"] == 20
 
 
 BAD_INPUT = {

@@ -346,7 +346,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess, status: int, *wor
 def test_commands_end_a_mistake_with_one_line_and_its_status(run_copy, text_file, learned_checkpoint, tmp_path):
     """Issue 42 item 8: training/*.py printed 10 to 40 lines of traceback above even good messages. Through the real
     commands: a misspelt flag (status 2, argparse's own parser errors too), a folder holding another run and an empty
-    data file (status 1), a window past the positions: one `error:` line each, no traceback, nothing changed or left
+    data file or a Latin-1 one (status 1), a window past the positions: one `error:` line each, no traceback, nothing changed or left
     behind; ``--debug`` shows the traceback."""
     before = folder_snapshot(run_copy)
     result = run_script("pretrain.py", *argv(text_file, run_copy, "--max_train_steps", "2"))
@@ -364,6 +364,13 @@ def test_commands_end_a_mistake_with_one_line_and_its_status(run_copy, text_file
                         str(tmp_path / "b"))  # fmt: skip
     assert_one_error_line(result, 1, f"Data file {empty} is empty")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "run"]
+
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("Café\n".encode("latin-1") * 100)
+    result = run_script("prepare_data.py", "--dataset_name", "none", "--train_file", str(latin), "--output_dir",
+                        str(tmp_path / "c"))  # fmt: skip
+    assert_one_error_line(result, 1, f"Data file {latin} is not UTF-8 text: byte 0xE9 at offset 3", "iconv")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "latin.txt", "run"]
 
     result = run_script("generate.py", str(learned_checkpoint), "--window", "128")
     assert_one_error_line(result, 1, "--window 128", "64 positions")
@@ -387,3 +394,76 @@ def test_a_large_blank_file_is_refused_and_text_after_blanks_is_not(tmp_path):
     with pytest.raises(ValueError, match="blank.txt is whitespace only"):
         check_not_empty(blank)
     check_not_empty(late)
+
+
+# ----------------------------------------------------------------------------------------------
+# Text files that are not UTF-8 (issue 45 item 4)
+
+LATIN_1_BOOK = "Le café du Dauphiné, où l'on sert des crêpes.\n" * 400  # 18 KB, "é" at byte 6 of each line
+
+
+@pytest.fixture
+def latin_1_file(tmp_path) -> pathlib.Path:
+    path = tmp_path / "book.txt"
+    path.write_bytes(LATIN_1_BOOK.encode("latin-1"))
+    return path
+
+
+def test_a_latin_1_file_stops_every_command_naming_the_file_offset_and_the_fix(tmp_path, latin_1_file,
+                                                                              learned_checkpoint):  # fmt: skip
+    """A Latin-1 book given as --train_file, --validation_file or --data_file ended in a DatasetGenerationError
+    traceback; pretrain.py, finetune.py, prepare_data.py and evaluate.py now stop before anything is written, naming
+    the file, the first bad byte and its offset and line, and how to convert it (iconv) or read it (--encoding)."""
+    from training import prepare_data
+
+    good = tmp_path / "good.txt"
+    good.write_text(INPUT_TXT.read_text(encoding="utf-8")[:20_000])
+    words = (f"Data file {latin_1_file} is not UTF-8 text: byte 0xE9 at offset 6 (line 1 of book.txt)",
+             "iconv -f latin1 -t utf-8", "--encoding latin-1")  # fmt: skip
+    out = tmp_path / "out"
+    commands = [
+        lambda: pretrain.main(argv(latin_1_file, out)),
+        lambda: pretrain.main(argv(good, out, "--validation_file", str(latin_1_file))),
+        lambda: finetune.main(["--model_name_or_path", str(learned_checkpoint), "--train_file", str(latin_1_file),
+                               "--output_dir", str(out), "--block_size", "32"]),  # fmt: skip
+        lambda: prepare_data.main(["--dataset_name", "none", "--train_file", str(latin_1_file), "--output_dir",
+                                   str(out)]),  # fmt: skip
+        lambda: evaluate.main([str(learned_checkpoint), "--data_file", str(latin_1_file), "--block_size", "32"]),
+    ]
+    before = folder_snapshot(learned_checkpoint)
+    for command in commands:
+        with pytest.raises(ValueError) as refused:
+            command()
+        assert all(word in str(refused.value) for word in words), str(refused.value)
+    assert not out.exists() and folder_snapshot(learned_checkpoint) == before
+
+
+def test_the_offset_is_the_files_own_across_pieces_and_a_character_cut_at_the_end(tmp_path, monkeypatch):
+    """The offset and line counted across the 16 MB pieces the check reads (here pieces of 3 bytes, so characters
+    straddle them), and a file ending inside a character named as such."""
+    from training import data
+
+    monkeypatch.setattr(data, "ENCODING_CHECK_PIECE", 3)
+    straddling = tmp_path / "straddling.txt"
+    straddling.write_bytes("éé\nvoilà\n".encode() + b"\xff")  # the bad byte at offset 5 + 7 = 12, on line 3
+    with pytest.raises(ValueError, match=r"byte 0xFF at offset 12 \(line 3 of straddling.txt\).*invalid start byte"):
+        data.check_encoding(straddling)
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(b"ab" + "é".encode()[:1])
+    with pytest.raises(ValueError, match=r"byte 0xC3 at offset 2 \(line 1 of cut.txt\).*unexpected end of data"):
+        data.check_encoding(cut)
+    data.check_encoding(straddling, "latin-1")  # every byte is a Latin-1 character
+
+
+def test_encoding_latin_1_trains_on_the_file_as_written(tmp_path, latin_1_file):
+    """--encoding latin-1 reads the same book through datasets' own decoding: the run trains, and its character
+    vocabulary holds the accented characters; a name Python does not know, or --encoding without a local file, is
+    refused naming the flag."""
+    out = tmp_path / "run"
+    pretrain.main(argv(latin_1_file, out, "--encoding", "latin-1", "--max_train_steps", "2"))
+    vocabulary = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {"é", "ù", "ê"} <= set(vocabulary)
+    with pytest.raises(ValueError, match="encoding='latin-2000' is not a text encoding Python knows"):
+        parse_config(TrainConfig, ["--encoding", "latin-2000"])
+    with pytest.raises(ValueError, match="applies to --train_file and --validation_file"):
+        parse_config(TrainConfig, ["--encoding", "latin-1", "--dataset_name", "karpathy/tiny_shakespeare"])

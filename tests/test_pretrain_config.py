@@ -28,6 +28,15 @@ def test_every_recipe_parses_into_the_dataclass(path):
     assert cfg.model == written.get("model", {})
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_recipe_that_evaluates_keeps_its_best_model(path):
+    """Issue 45: a recipe that evaluates during training saves the weights of its best evaluation
+    (load_best_model_at_end), so a run longer than the data bears, on a small text of one's own, saves its best
+    instead of an overfit last step (tests/test_best_model.py runs the default recipe past its best)."""
+    cfg = parse_config(FinetuneConfig if path.name.startswith("finetune_") else TrainConfig, ["--config", str(path)])
+    assert cfg.eval_steps is not None and cfg.load_best_model_at_end, path.name
+
+
 def test_default_recipe_is_nano_size():
     """shakespeare_char is nanoGPT's CPU model size and block length, which the quality bar is measured at, in
     fewer steps than nanoGPT's 2000 and no more rows than 2000 of its batches of 12 (the time bar is nanoGPT's wall

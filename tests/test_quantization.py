@@ -35,6 +35,28 @@ QUANTIZATIONS = {
 # mistake (a wrong scale, a transposed or unquantized-then-dropped weight gives errors of order 1).
 LOGIT_ATOL = 0.25
 LOGIT_MEAN_ATOL = 0.05
+# The dynamic config multiplies int8 activations by int8 weights in torch._int_mm (oneDNN). On a CPU without VNNI
+# instructions (AVX2 only, like most laptops; or ONEDNN_MAX_CPU_ISA=AVX2) that product is not exact: the pairs of
+# 8-bit products are summed in 16 bits and saturate, so int8 activations lose more. Measured there (4 seeds, the
+# same sizes): largest |logit error| 0.25-0.28, mean 0.035-0.037, against 0.11 and 0.017 with an exact product. Which
+# bounds apply is decided by trying the product on this machine (int_mm_is_exact), not by reading CPU flags.
+SATURATING_LOGIT_ATOL = 0.5
+SATURATING_LOGIT_MEAN_ATOL = 0.08
+
+
+def int_mm_is_exact() -> bool:
+    """Whether torch._int_mm gives the exact int32 product of int8 matrices on this CPU (it does with VNNI or AMX)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (16, 384), dtype=torch.int8, generator=generator)
+    b = torch.randint(-128, 128, (384, 384), dtype=torch.int8, generator=generator)
+    return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+
+
+def logit_bounds(quantization: str) -> tuple[float, float]:
+    """(largest, mean) |logit error| allowed for ``quantization`` on this machine."""
+    if quantization == "int8_dynamic_activation_int8_weight" and not int_mm_is_exact():
+        return SATURATING_LOGIT_ATOL, SATURATING_LOGIT_MEAN_ATOL
+    return LOGIT_ATOL, LOGIT_MEAN_ATOL
 
 
 @pytest.fixture
@@ -50,7 +72,8 @@ def test_int8_quantized_checkpoint_generates(checkpoint, quantization, batch_siz
     """from_pretrained(quantization_config=TorchAoConfig(...)) quantizes every decoder projection; greedy generate
     runs (prefill and decoding steps, the few-rows case of every layer); the quantized model's logits on the
     generated sequence stay within int8 rounding of the unquantized model's, and each token it picked is the
-    unquantized model's choice up to that rounding (greedy tokens may differ where two logits nearly tie)."""
+    unquantized model's choice up to that rounding (greedy tokens may differ where two logits nearly tie). The
+    bounds of int8 activations are looser where this CPU's int8 product saturates (``int_mm_is_exact``)."""
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     quantized = AutoModelForCausalLM.from_pretrained(
         checkpoint, quantization_config=TorchAoConfig(QUANTIZATIONS[quantization]())
@@ -78,11 +101,13 @@ def test_int8_quantized_checkpoint_generates(checkpoint, quantization, batch_siz
         expected = reference(sequences).logits  # (B, T, V)
         logits = quantized(sequences).logits
     error = (logits - expected).abs()
-    assert error.max() <= LOGIT_ATOL and error.mean() <= LOGIT_MEAN_ATOL, (error.max().item(), error.mean().item())
+    atol, mean_atol = logit_bounds(quantization)
+    assert error.max() <= atol and error.mean() <= mean_atol, (error.max().item(), error.mean().item())
 
-    # Each generated token against the unquantized logits at the step that chose it: |error| <= LOGIT_ATOL on both
+    # Each generated token against the unquantized logits at the step that chose it: |error| <= atol on both
     # the chosen and the best token bounds the shortfall by 2 * LOGIT_ATOL
     chosen = sequences[:, prompt_length:]  # (B, new_tokens)
     step_logits = expected[:, prompt_length - 1 : -1]  # (B, new_tokens, V): the logits each token was drawn from
     shortfall = step_logits.max(-1).values - step_logits.gather(-1, chosen[..., None]).squeeze(-1)
-    assert shortfall.max() <= 2 * LOGIT_ATOL, shortfall
+    assert shortfall.max() <= 2 * atol, shortfall
+

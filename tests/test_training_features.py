@@ -93,6 +93,7 @@ def test_device_map_auto_loads(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_features  # inductor's vectorised code, bf16 autocast or kernel timings
 def test_compiled_forward_matches_eager(tiny_model):
     """torch.compile(fullgraph=True) traces the whole forward without graph breaks (the model claims
     _can_compile_fullgraph) and gives the eager logits."""
@@ -104,6 +105,7 @@ def test_compiled_forward_matches_eager(tiny_model):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_features  # inductor's vectorised code, bf16 autocast or kernel timings
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_static_cache_with_compiled_forward_generates_the_same_tokens(tiny_model, wide):
     """generate with a static cache and a compiled forward (generate compiles it itself; on CPU only when

@@ -78,7 +78,8 @@ def run_steps(tmp_path, steps: int, mixed_precision: str = "no", model=None) -> 
                       per_device_train_batch_size=4, gradient_accumulation_steps=2, logging_steps=1000,
                       eval_steps=None, checkpointing_steps=None, per_device_eval_batch_size=8,
                       mixed_precision=mixed_precision, learning_rate=1e-3, num_warmup_steps=0)  # fmt: skip
-    accelerator = make_accelerator(cfg, cpu=True)
+    # bf16 in software where the CPU has no bf16 instructions: slower, the same dtypes (what these tests check)
+    accelerator = make_accelerator(cfg, cpu=True, allow_emulated_bf16=True)
     with recorded_syncs() as events:
         result = train(model, BlockBatches(blocks, 4, seed=0), blocks[:8], cfg, accelerator, show_progress=False)
     return events, result
@@ -128,7 +129,7 @@ def test_mixed_precision_training_makes_no_float32_logits(tmp_path):
 
 def test_outputs_in_compute_dtype_keeps_the_loss_and_changes_nothing_without_the_wrapper():
     """The same float32 loss with and without Accelerate's float32 wrapper; a model that has none is untouched."""
-    accelerator = make_accelerator(TrainConfig(mixed_precision="bf16"), cpu=True)
+    accelerator = make_accelerator(TrainConfig(mixed_precision="bf16"), cpu=True, allow_emulated_bf16=True)
     model = accelerator.prepare(tiny())
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
@@ -144,7 +145,9 @@ def test_outputs_in_compute_dtype_keeps_the_loss_and_changes_nothing_without_the
         assert plain.forward == forward
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.cpu_features])], ids=["eager", "compiled"]
+)
 def test_the_loss_and_its_gradient_are_cross_entropys(monkeypatch, compiled):
     """``causal_lm_loss`` with the lean path enabled from 0 logits (so eager takes it) equals
     ``F.cross_entropy``'s mean over the shifted targets in value and gradient (ignored targets included), eager

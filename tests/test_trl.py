@@ -164,6 +164,7 @@ finish(result)
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_features  # inductor's vectorised code, bf16 autocast or kernel timings
 def test_sft_trainer_padded(tmp_path, checkpoint, lines):
     """SFTTrainer on plain text, padded batches, TRL's defaults otherwise (bf16 autocast, gradient checkpointing):
     on the first batch TRL's loss is the token-weighted mean of each row's loss on its own (its real tokens, the
@@ -220,6 +221,7 @@ finish(result)
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_features  # inductor's vectorised code, bf16 autocast or kernel timings
 def test_sft_trainer_packed(tmp_path, checkpoint, lines):
     """SFTTrainer with packing=True: TRL 1.16 makes padding-free rows of whole documents (position_ids restarting
     at each, no attention mask). For RoPE and learned positions, eager and SDPA, each document's loss inside the packed

@@ -16,6 +16,7 @@ with ``option`` fields and gets the same flags, types and errors from ``parse_co
 """
 
 import argparse
+import codecs
 import dataclasses
 import difflib
 import pathlib
@@ -87,6 +88,11 @@ class TrainConfig(Config):
     dataset_config_name: str | None = option(None, "dataset configuration (subset), e.g. sample-10BT")
     train_file: str | None = option(None, "local .txt/.json/.jsonl/.parquet/.csv training file; replaces dataset_name")
     validation_file: str | None = option(None, "local validation file (same formats); needs train_file")
+    encoding: str = option(
+        "utf-8",
+        "text encoding of train_file and validation_file (.txt/.json/.jsonl/.csv), as Python names it: utf-8, "
+        "latin-1, cp1252, ...",
+    )
     text_column_name: str = option("text", "column holding the text")
     validation_split_name: str = option("validation", "the dataset's validation split; carved off train if absent")
     validation_split_percentage: float = option(5.0, "percent of train carved off when there is no validation split")
@@ -310,7 +316,9 @@ class TrainConfig(Config):
         if wanted and self.eval_steps is None:
             raise ValueError(
                 f"{' and '.join(wanted)} need periodic evaluations to compare, but eval_steps is none. "
-                "Set --eval_steps N (e.g. 250), or turn them off."
+                "Set --eval_steps N (e.g. 250), or turn them off: "
+                + ", ".join(f"--{name} {'false' if name == 'load_best_model_at_end' else 'none'}" for name in wanted)
+                + "."
             )
 
     def check_data(self) -> None:
@@ -326,6 +334,23 @@ class TrainConfig(Config):
             path = getattr(self, name)
             if path is not None and pathlib.Path(path).suffix not in DATA_FILE_SUFFIXES:
                 raise ValueError(f"{name}={path!r} must end in one of {', '.join(DATA_FILE_SUFFIXES)}.")
+        check_encoding_name(self.encoding)
+        if self.train_file is None and codecs.lookup(self.encoding).name != "utf-8":
+            raise ValueError(
+                f"encoding={self.encoding!r} applies to --train_file and --validation_file, but the data comes from "
+                f"dataset_name={self.dataset_name!r}, read as the dataset stores it. Drop --encoding."
+            )
+
+
+def check_encoding_name(encoding: str) -> None:
+    """A ValueError unless Python knows the text encoding ``encoding``."""
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise ValueError(
+            f"encoding={encoding!r} is not a text encoding Python knows; use one of its names, such as utf-8, "
+            "latin-1 (ISO-8859-1) or cp1252 (Windows Western)."
+        ) from None
 
 
 @dataclass

@@ -22,6 +22,7 @@ Corpora too large to tokenize at every start are prepared once into token shards
 Batches follow the transformers convention: ``labels`` are the input ids and the model shifts them.
 """
 
+import codecs
 import collections
 import itertools
 import json
@@ -95,7 +96,7 @@ def load_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
     if cfg.train_file is not None:
         if cfg.dataset_name is not None:
             logger.info(f"Training on --train_file {cfg.train_file}; dataset_name={cfg.dataset_name!r} is not used.")
-        splits = load_files(cfg.train_file, cfg.validation_file, streaming=cfg.streaming)
+        splits = load_files(cfg.train_file, cfg.validation_file, streaming=cfg.streaming, encoding=cfg.encoding)
     else:
         splits = load_named_dataset(cfg.dataset_name, cfg.dataset_config_name, streaming=cfg.streaming)
     if "train" not in splits:
@@ -112,8 +113,11 @@ def load_splits(cfg: TrainConfig) -> tuple[TextSplit, TextSplit | None]:
     return train, validation
 
 
-def load_files(train_file: str, validation_file: str | None = None, streaming: bool = False) -> dict[str, TextSplit]:
-    """``{"train": ...}`` (and ``"validation"``) from local .txt/.json/.jsonl/.parquet/.csv files."""
+def load_files(
+    train_file: str, validation_file: str | None = None, streaming: bool = False, encoding: str = "utf-8"
+) -> dict[str, TextSplit]:
+    """``{"train": ...}`` (and ``"validation"``) from local .txt/.json/.jsonl/.parquet/.csv files, the text ones read
+    in ``encoding`` (checked whole first: ``check_encoding``)."""
     data_files = {"train": train_file}
     if validation_file is not None:
         data_files["validation"] = validation_file
@@ -123,10 +127,59 @@ def load_files(train_file: str, validation_file: str | None = None, streaming: b
                 f"Data file {path} does not exist. Check the path given to --train_file/--validation_file."
             )
         check_not_empty(path)
+        if pathlib.Path(path).suffix != ".parquet":  # parquet stores its strings as UTF-8 itself
+            check_encoding(path, encoding)
     suffix = pathlib.Path(train_file).suffix
     # text files: one row per line, line breaks kept, so concatenating the rows gives the file back
     extra = {"keep_linebreaks": True} if suffix == ".txt" else {}
+    if suffix != ".parquet" and codecs.lookup(encoding).name != "utf-8":
+        extra["encoding"] = encoding  # datasets' text, json and csv builders decode with it
     return datasets.load_dataset(BUILDERS[suffix], data_files=data_files, streaming=streaming, **extra)
+
+
+ENCODING_CHECK_PIECE = 2**24  # bytes decoded at a time by check_encoding
+
+
+def check_encoding(path, encoding: str = "utf-8") -> None:
+    """A ValueError in one line, naming the file, the byte offset, line and what is wrong, unless the whole file
+    decodes in ``encoding``; ``datasets`` would stop at the first bad byte with a DatasetGenerationError traceback
+    instead, after writing part of its cache. Read once, in 16 MB pieces, before anything is written."""
+    decoder = codecs.getincrementaldecoder(encoding)()
+    offset = lines = 0
+    with open(path, "rb") as f:
+        while True:
+            piece = f.read(ENCODING_CHECK_PIECE)
+            try:
+                decoder.decode(piece, final=not piece)
+            except UnicodeDecodeError as err:
+                # err.object: this piece after the bytes of a character the previous piece cut
+                data = err.object
+                bad = offset - (len(data) - len(piece)) + err.start
+                line = lines + data.count(b"\n", 0, err.start) + 1
+                bad_bytes = data[err.start : err.end]
+                raise ValueError(encoding_error(path, encoding, bad_bytes, bad, line, err.reason)) from None
+            if not piece:
+                return
+            offset += len(piece)
+            lines += piece.count(b"\n")
+
+
+def encoding_error(path, encoding: str, bad: bytes, offset: int, line: int, reason: str) -> str:
+    shown = " ".join(f"0x{b:02X}" for b in bad[:4])
+    name = "UTF-8" if codecs.lookup(encoding).name == "utf-8" else encoding
+    source = pathlib.Path(path).name
+    if name == "UTF-8":
+        fix = (
+            f"Convert it to UTF-8 first, e.g. from Latin-1: iconv -f latin1 -t utf-8 {path} > "
+            f"{pathlib.Path(path).with_name(pathlib.Path(path).stem + '.utf8' + pathlib.Path(path).suffix)} "
+            "(`file -i FILE` guesses the encoding), or pass the file's encoding: --encoding latin-1"
+        )
+    else:
+        fix = "Pass the file's own encoding with --encoding (utf-8 by default), or convert it to UTF-8 with iconv"
+    return (
+        f"Data file {path} is not {name} text: byte {shown} at offset {offset} (line {line} of {source}) cannot be "
+        f"decoded ({reason}). {fix}."
+    )
 
 
 def check_not_empty(path) -> None:

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 import decoderlab  # noqa: F401  (registers decoderlab with the Auto classes)
 from decoderlab.model_card import add_eval_results
-from training.args import Config, option, parse_config
+from training.args import Config, check_encoding_name, option, parse_config
 from training.data import (
     UNKNOWN_CHARACTERS_SAMPLE,
     check_unknown_characters,
@@ -61,6 +61,7 @@ class EvalConfig(Config):
     dataset_name: str | None = option(None, "Hub dataset id, or a local folder laid out like a Hub dataset")
     dataset_config_name: str | None = option(None, "dataset configuration (subset)")
     data_file: str | None = option(None, "a local .txt/.json/.jsonl/.parquet/.csv file instead of --dataset_name")
+    encoding: str = option("utf-8", "text encoding of --data_file (.txt/.json/.jsonl/.csv): utf-8, latin-1, ...")
     split: str = option("validation", "the split of --dataset_name to score")
     data_format: DATA_FORMATS = option("text", "text (every token scored), prompt_completion or chat")
     text_column_name: str = option("text", "text: the column holding the texts")
@@ -82,6 +83,7 @@ class EvalConfig(Config):
     def check(self) -> None:
         if (self.dataset_name is None) == (self.data_file is None):
             raise ValueError("Pass exactly one of --dataset_name (a Hub id or dataset folder) and --data_file.")
+        check_encoding_name(self.encoding)
         for name in ("block_size", "max_eval_samples", "batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -101,7 +103,7 @@ def default_block_size(checkpoint: str, model) -> int:
 def load_split(cfg: EvalConfig):
     """The split to score: a local file is a split of its own; a dataset must have ``cfg.split``."""
     if cfg.data_file is not None:
-        return load_files(cfg.data_file)["train"]
+        return load_files(cfg.data_file, encoding=cfg.encoding)["train"]
     splits = load_named_dataset(cfg.dataset_name, cfg.dataset_config_name)
     if cfg.split not in splits:
         raise ValueError(f"{cfg.dataset_name} has no split {cfg.split!r}; its splits are {list(splits)}. Pass --split.")

@@ -154,7 +154,9 @@ def check_bf16_cpu(cfg: TrainConfig, cpu: bool) -> None:
         )
 
 
-def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accelerator:
+def make_accelerator(
+    cfg: TrainConfig | None = None, cpu: bool = False, allow_emulated_bf16: bool = False
+) -> Accelerator:
     """The Accelerator every script uses: accumulation, mixed precision and trackers from ``cfg`` (none of
     them without one: evaluation).
 
@@ -163,10 +165,12 @@ def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accel
     silently train its own copy of the model. ``cpu=True`` also forces the CPU where there is a GPU.
 
     A launch that asks for FSDP or DeepSpeed where Accelerate cannot give it stops here (``refuse_unsharded``), as
-    do ``--fsdp`` launches that cannot shard (``check_fsdp_launch``) and bf16 on a CPU without it (``check_bf16_cpu``).
+    do ``--fsdp`` launches that cannot shard (``check_fsdp_launch``) and bf16 on a CPU without it (``check_bf16_cpu``),
+    unless ``allow_emulated_bf16``: for what does not depend on speed (the dtypes a step makes, the bytes it holds),
+    which bf16 emulated in software gives as well, on every CPU.
     """
     cpu = cpu or not torch.accelerator.is_available()
-    if cfg is not None:
+    if cfg is not None and not allow_emulated_bf16:
         check_bf16_cpu(cfg, cpu)
     if cpu and requested_sharding() == "DeepSpeed":
         # Accelerate never enables DeepSpeed with cpu=True (state.py: `... and not cpu`). Checked before building the

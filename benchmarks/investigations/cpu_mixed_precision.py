@@ -48,7 +48,8 @@ def run(size: str, precision: str, dataset: str, threads: int, folder: pathlib.P
     command = [sys.executable, str(REPO_ROOT / "training" / "pretrain.py"), "--config", str(RECIPE)]
     command += ["--dataset_name", dataset, "--output_dir", str(output_dir), "--overwrite_output_dir"]
     command += ["--mixed_precision", precision]
-    command += ["--eval_steps", "none", "--checkpointing_steps", "none", "--max_eval_samples", "8", *SIZES[size]]
+    command += ["--eval_steps", "none", "--load_best_model_at_end", "false", "--checkpointing_steps", "none",
+                "--max_eval_samples", "8", *SIZES[size]]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = read_metrics(output_dir / METRICS_NAME)
