@@ -127,7 +127,9 @@ test-all: venv olah llamacpp vllm hf-tests katex
 # The fast tests and the slow ones marked cpu_features again, with torch's and oneDNN's kernels held to AVX2: what a
 # CPU without AVX-512, AMX or bf16 instructions runs (most laptops), on any x86-64 machine. The first line says which
 # kernels the run got (docs/development.md, "Other CPUs")
-AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# torch.compile's cache of its own: inductor's cache key does not include the variables, so a kernel compiled with
+# them is reused without them (and the other way round) and computes wrong numbers (seen: flex attention's logits)
+AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-avx2
 test-avx2: venv hf-tests
 	$(AVX2_ONLY) $(PY) -c "from benchmarks.common import machine_line; print(machine_line(2))"
 	$(AVX2_ONLY) DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow or cpu_features" $(PYTEST_ARGS)

@@ -39,7 +39,10 @@ def _fresh_timings():
     kernels.forget_kernel_timings()
 
 
-def slow(product, seconds=2e-3):
+def slow(product, seconds=2e-2):
+    """``product`` made slower by far more than a busy machine's preemption can add to the other product's best of
+    five timing rounds (a 64 x 256 product takes microseconds; 2 ms was seen to lose on a machine at load 8)."""
+
     def slowed(x, weight):
         time.sleep(seconds)
         return product(x, weight)
