@@ -30,7 +30,7 @@ TUNED_WIDTH = 128  # the width the guide tunes at (nano): its best rate is carri
 @dataclass(frozen=True)
 class Settings:
     widths: tuple[int, ...] = (64, 128, 256, 512)
-    learning_rates: tuple[float, ...] = (2**-10, 2**-9, 2**-8, 2**-7, 2**-6, 2**-5, 2**-4)
+    learning_rates: tuple[float, ...] = (2**-12, 2**-11, 2**-10, 2**-9, 2**-8, 2**-7, 2**-6)
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     block_size: int = 64
