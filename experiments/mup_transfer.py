@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from training.mup_tune import best_rate  # the best rate of a grid, refined between grid points
+
 from . import common
 
 NAME = "mup_transfer"
@@ -44,21 +46,6 @@ QUICK = Settings(
     widths=(32, 64), learning_rates=(2**-9, 2**-7, 2**-5), num_hidden_layers=1, block_size=16, batch_size=4, steps=4,
     warmup_steps=1, eval_blocks=8,
 )  # fmt: skip
-
-
-def best_rate(rates, losses) -> tuple[float, float, bool]:
-    """(best learning rate, its mean loss, whether it lies inside the grid) from the mean loss at each rate (NaN
-    where a seed diverged). Inside the grid the rate is the vertex of the parabola through the best grid point and
-    its two neighbours, in log2 of the rate (kept between those neighbours); at the grid's edge, the edge."""
-    x, y = np.log2(np.asarray(rates, dtype=float)), np.where(np.isfinite(losses), losses, np.inf)
-    i = int(np.argmin(y))
-    if not np.isfinite(y[i]):
-        return math.nan, math.nan, False
-    if i == 0 or i == len(y) - 1 or not np.isfinite(y[i - 1 : i + 2]).all():
-        return float(2 ** x[i]), float(y[i]), False
-    a, b, c = np.polyfit(x[i - 1 : i + 2], y[i - 1 : i + 2], 2)
-    vertex = float(np.clip(-b / (2 * a), x[i - 1], x[i + 1])) if a > 0 else float(x[i])
-    return float(2**vertex), float(y[i]), True
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -114,17 +114,24 @@ def recorded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     ]
 
 
+def group_text(group: dict) -> str:
+    """One ``recorded_groups`` entry in words: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters`` (under muP the
+    hidden matrices' factor too: ``matrices: lr 0.0005 (x 0.1667, muP), ...``)."""
+    factor = f" (x {group['lr_multiplier']:.4g}, muP)" if "lr_multiplier" in group else ""
+    return f"{group['name']}: lr {group['lr']:g}{factor}, wd {group['weight_decay']:g}, {group['parameters']:,} parameters"
+
+
 def groups_text(recorded: list[dict]) -> str:
-    """``recorded_groups`` in one line, for the card: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters; ...``
-    (under muP the hidden matrices' factor too: ``matrices: lr 0.0005 (x 0.1667, muP), ...``)."""
+    """``recorded_groups`` in one line, for the card: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters; ...``."""
+    return "; ".join(map(group_text, recorded))
 
-    def factor(group: dict) -> str:
-        return f" (x {group['lr_multiplier']:.4g}, muP)" if "lr_multiplier" in group else ""
 
-    return "; ".join(
-        f"{g['name']}: lr {g['lr']:g}{factor(g)}, wd {g['weight_decay']:g}, {g['parameters']:,} parameters"
-        for g in recorded
-    )
+def groups_comment(recorded: list[dict]) -> str:
+    """``recorded_groups`` as YAML comment lines, for the end of ``training_config.yaml``: the rates the settings
+    above gave each group, for a reader (a comment: reading the file back as a TrainConfig is unchanged)."""
+    lines = ["The optimizer groups these settings gave (training/optim.py; run_info.json has them as data):"]
+    lines += [f"  {group_text(group)}" for group in recorded]
+    return "".join(f"# {line}\n" for line in lines)
 
 
 def make_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
