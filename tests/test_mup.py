@@ -22,6 +22,7 @@ from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.cli import UsageError
 from decoderlab.export.families import convert_to_llama, convert_to_qwen3, llama_config_from_decoderlab
 from decoderlab.export.gguf_file import convert_to_gguf
+from decoderlab.export.onnx_executorch import export_onnx
 from decoderlab.model_card import read_metrics
 from experiments import mup_coord_check
 from tests.paths import INPUT_TXT, REPO_ROOT
@@ -357,6 +358,21 @@ def test_gguf_export_folds_them_too(randomize, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(torch.tensor([ids])).logits, model(torch.tensor([ids])).logits,
                                    rtol=0, atol=1e-4)  # fmt: skip
+
+
+def test_onnx_export_traces_the_multipliers(tiny_model, tmp_path):
+    """ONNX traces the model's own forward, so a muP model's graph holds both multipliers: ONNX Runtime gives its
+    logits (tied head, m = 4, alpha_out 2) within 1e-4 at a batch and length other than those traced."""
+    import onnxruntime
+
+    model = tiny_model(**MUP, mup_output_multiplier=2.0, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "src")
+    out = export_onnx(tmp_path / "src", tmp_path / "model.onnx")
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    ids = torch.randint(0, 99, (3, 13))
+    (logits,) = session.run(["logits"], {"input_ids": ids.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(logits), model(ids).logits, rtol=0, atol=1e-4)
 
 
 def test_a_tied_mup_head_is_refused_by_name(randomize, tmp_path):
