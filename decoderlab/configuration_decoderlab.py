@@ -144,7 +144,6 @@ class DecoderLabConfig(PreTrainedConfig):
     embedding_initializer_range: float | None = None
     """Standard deviation of the token embeddings' initialisation (``None``: ``initializer_range``; a tied ``lm_head``
     is the same matrix). Only the start of training changes: every other weight draws what it would have drawn."""
-    # parametrization: how initialisation, learning rates and multipliers follow the width
     parametrization: Parametrization = "standard"
     """``"standard"``: the usual parametrization, whose best learning rate drifts as ``hidden_size`` grows.
     ``"mup"``: the maximal update parametrization (Yang et al. 2022, "Tensor Programs V", Table 8), so that the
