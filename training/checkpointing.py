@@ -38,6 +38,7 @@ from accelerate import Accelerator
 from decoderlab import DecoderLabConfig
 from decoderlab.cli import UsageError, UserError
 
+from .optim import groups_comment
 from .sharding import is_sharded, load_sharded, save_sharded, unsharded_copy
 
 logger = logging.getLogger(__name__)
@@ -306,7 +307,8 @@ def save_final_folder(
     info: dict,
 ) -> pathlib.Path:
     """Write a complete Hugging Face checkpoint into ``output_dir``: weights (safetensors), config, generation
-    config, tokenizer, the resolved training configuration and ``run_info.json``. ``metrics.jsonl`` is
+    config, tokenizer, the resolved training configuration (with the optimizer groups it gave, as comments) and
+    ``run_info.json``. ``metrics.jsonl`` is
     already there (the loop appends to it); the model card is written last, by the script."""
     output_dir = pathlib.Path(output_dir)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # without DDP's and torch.compile's wrappers
@@ -321,7 +323,8 @@ def save_final_folder(
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
-        (output_dir / "training_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        groups = groups_comment(info["optimizer_groups"]) if info.get("optimizer_groups") else ""
+        (output_dir / "training_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False) + groups)
         (output_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
     accelerator.wait_for_everyone()
     return output_dir

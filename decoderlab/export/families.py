@@ -188,6 +188,46 @@ def llama_shaped_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, 
     }
 
 
+def mup_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[bool, str]]:
+    """For ``refuse_fields``: muP's multipliers that cannot be folded into ``family``'s weights. The logits' factor
+    folds into an untied ``lm_head``; a tied one is the token embedding too, which the factor must not change."""
+    return {
+        "parametrization": (
+            config.parametrization == "mup" and config.tie_word_embeddings and config.logit_scale != 1.0,
+            f"muP multiplies the logits by mup_output_multiplier / m = {config.logit_scale:.6g}, which {family} has "
+            "no factor for; folded into lm_head it would change the token embedding tied to it (tie_word_embeddings"
+            "=True). Train with tie_word_embeddings=False to export a muP model",
+        ),
+    }
+
+
+def mup_folds(config: DecoderLabConfig) -> dict[str, float]:
+    """What exporting ``config`` to a family without muP's multipliers multiplies into the weights, exactly: a
+    regex over decoderlab's tensor names -> the factor. The logits' factor ``logit_scale`` goes into an untied
+    ``lm_head`` (``mup_in_the_way`` refuses a tied one). muP's 1/head_dim attention scale (``attention_scale``
+    unset) is 1/sqrt(head_dim) times 1/sqrt(head_dim): the second factor goes into the queries, through the
+    query norm's weight with QK-norm (which would undo a factor on q_proj) and through q_proj's weight and bias
+    otherwise; RoPE rotates q linearly, so it commutes. Nothing for the standard parametrization."""
+    if config.parametrization != "mup":
+        return {}
+    folds = {}
+    if config.logit_scale != 1.0 and not config.tie_word_embeddings:
+        folds[r"lm_head\.weight"] = config.logit_scale
+    if config.attention_scale is None:
+        query = r"q_norm\.weight" if config.qk_norm else r"q_proj\.(weight|bias)"
+        folds[r"model\.layers\.\d+\.self_attn\." + query] = config.head_dim**-0.5
+    return folds
+
+
+def fold(name: str, tensor: torch.Tensor, folds: dict[str, float]) -> torch.Tensor:
+    """``tensor`` (decoderlab's ``name``) times the factor of the first pattern of ``folds`` that matches its name,
+    computed in float32 and stored in its own dtype; itself when none matches."""
+    for pattern, factor in folds.items():
+        if re.fullmatch(pattern, name):
+            return (tensor.to(torch.float32) * factor).to(tensor.dtype)
+    return tensor
+
+
 def exported_config(
     config: DecoderLabConfig,
     target: type[PreTrainedConfig],
@@ -199,7 +239,7 @@ def exported_config(
     in the way: what ``llama_shaped_in_the_way`` lists, then what ``family_in_the_way`` adds for ``target``."""
     family = target.model_type.capitalize()  # Llama, Qwen3
     refuse_fields(
-        {**llama_shaped_in_the_way(config, family), **family_in_the_way},
+        {**llama_shaped_in_the_way(config, family), **family_in_the_way, **mup_in_the_way(config, family)},
         config,
         {"rope_parameters['partial_rotary_factor']": _rotary_fraction(config)},
         f"A {family} checkpoint cannot express this decoderlab configuration",
@@ -283,6 +323,8 @@ class Conversion:
     skipped: str = r"$^"  # buffers older checkpoints saved (causal masks, RoPE tables): not weights
     transposed: str = r"$^"  # weights stored (in, out), as GPT-2's Conv1D does, instead of nn.Linear's (out, in)
     split_qkv: Callable[[torch.Tensor, DecoderLabConfig], list[torch.Tensor]] = split_gpt2_qkv
+    # the source config -> factors multiplied into its tensors by name (``mup_folds``); none by default
+    folds: Callable[[PreTrainedConfig], dict[str, float]] = lambda config: {}
 
     def targets(self, name: str) -> list[str] | None:
         """Target names of one source tensor: [] for a skipped buffer, None for a name not understood."""
@@ -365,6 +407,7 @@ TO_LLAMA = Conversion(
     source_config=DecoderLabConfig,
     target_model=LlamaForCausalLM,
     make_config=llama_config_from_decoderlab,
+    folds=mup_folds,
 )
 # the same names, q_norm and k_norm included: decoderlab's QK-norm weights are Qwen3's
 TO_QWEN3 = Conversion(
@@ -372,6 +415,7 @@ TO_QWEN3 = Conversion(
     source_config=DecoderLabConfig,
     target_model=Qwen3ForCausalLM,
     make_config=qwen3_config_from_decoderlab,
+    folds=mup_folds,
 )
 
 
@@ -461,6 +505,7 @@ def convert(
     dst = prepare_destination(dst, src_dir)
     source_config = read_source_config(src_dir, conversion, flag)
     config = conversion.make_config(source_config)
+    folds = conversion.folds(source_config)  # after make_config's refusals
     skeleton = make_skeleton(conversion.target_model, config, source_config.dtype)
     with CheckpointReader(src_dir) as reader:
         plan = plan_tensors(reader, conversion, skeleton)
@@ -470,7 +515,7 @@ def convert(
         for name, targets in plan.items():
             if targets:
                 for target, tensor in zip(targets, conversion.tensors(name, reader[name], config)):
-                    writer.add(target, tensor)
+                    writer.add(target, fold(name, tensor, folds))
         writer.close()
     carried = [name for name in TOKENIZER_FILES if (src_dir / name).is_file()]
     for name in carried:

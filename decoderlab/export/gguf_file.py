@@ -51,6 +51,7 @@ from .families import (
     TO_LLAMA,
     TO_QWEN3,
     Conversion,
+    fold,
     llama_config_from_decoderlab,
     make_skeleton,
     plan_tensors,
@@ -337,6 +338,7 @@ def convert_to_gguf(src: str | os.PathLike, out: str | os.PathLike, outtype: str
     config = read_source_config(src_dir, TO_LLAMA, "--to gguf")
     conversion, hf = target_config(config)
     gguf_blockers(hf)
+    folds = conversion.folds(config)  # muP's multipliers, into the weights (families.mup_folds)
     vocab = gguf_vocab(load_source_tokenizer(src_dir), hf.vocab_size)
     arch = gguf.MODEL_ARCH.QWEN3 if hf.model_type == "qwen3" else gguf.MODEL_ARCH.LLAMA
     arch_name = gguf.MODEL_ARCH_NAMES[arch]  # "qwen3", "llama"
@@ -369,7 +371,7 @@ def convert_to_gguf(src: str | os.PathLike, out: str | os.PathLike, outtype: str
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             for source, _, qtype in tensors.values():  # (out, in) rows, as GGUF stores them
-                tensor = reader[source].to(torch.float32)
+                tensor = fold(source, reader[source].to(torch.float32), folds)
                 projection = source.rsplit(".", 2)[-2]
                 if interleaved and projection in heads:
                     tensor = interleave_rope_rows(tensor, heads[projection])

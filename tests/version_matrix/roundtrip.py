@@ -4,7 +4,8 @@
     python tests/version_matrix/roundtrip.py check DIR [DIR ...] [--resave-to OUT] [--json FILE]
 
 ``save`` builds one tiny model per position type x block layout x attention type (4 x 4 x 3), plus one per RoPE
-scaling type (``ROPE_SCALINGS``), its weights
+scaling type (``ROPE_SCALINGS``) and two under muP (``MUP_LAYOUTS``: the logits' and attention's multipliers), its
+weights
 re-drawn so logits are O(1) (the default init makes them so small that a 1e-5 tolerance would hide bugs), and
 writes each with ``save_pretrained`` beside ``reference.pt``: fp32 logits of a fixed batch and of a left-padded
 one (with RoPE also of a sequence longer than max_position_embeddings, and of the batch again after it), and
@@ -66,6 +67,9 @@ ROPE_SCALINGS = {
     "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     "longrope": {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 32},
 }
+# parametrization "mup" (issue 47) on a Llama layout (untied head) and a GPT-2 one (tied): m = 32 / 16 = 2
+MUP = dict(parametrization="mup", mup_base_width=16, mup_output_multiplier=1.5)
+MUP_LAYOUTS = ("rope_pre_gqa", "learned_pre_mha")
 SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 PAD = 0
 NEW_TOKENS = 6
@@ -101,6 +105,8 @@ def matrix() -> dict[str, dict]:
         fields = dict(configs["rope_pre_gqa"])
         fields["rope_parameters"] = {"rope_type": kind, "rope_theta": 10000.0, **parameters}
         configs[f"rope{kind}_pre_gqa"] = fields
+    for name in MUP_LAYOUTS:  # muP's multipliers (logits x 1.5 / 2, attention 1/head_dim), the head untied and tied
+        configs[f"{name.split('_')[0]}mup_{name.split('_', 1)[1]}"] = dict(configs[name], **MUP)
     return configs
 
 

@@ -1,0 +1,391 @@
+"""parametrization: mup (issue 47): muP's initialisation, attention scale, output multiplier and learning rates, the
+coordinate check that shows them working together, and every way a muP model leaves decoderlab (checkpoints,
+--to llama / qwen3 / gguf, resumed runs) computing the same function or refused by name.
+
+References: Tensor Programs V (Yang et al. 2022), Table 8 (the form with multipliers); a 20-line muP forward written
+here; the standard model (a muP model at its base width is the standard one but for its attention scale).
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import gguf  # noqa: F401  (transformers' GGUF loader needs it: fail here, by name, if it is missing)
+import numpy as np
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM
+
+from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
+from decoderlab.cli import UsageError
+from decoderlab.export.families import convert_to_llama, convert_to_qwen3, llama_config_from_decoderlab
+from decoderlab.export.gguf_file import convert_to_gguf
+from decoderlab.export.onnx_executorch import export_onnx
+from decoderlab.model_card import read_metrics
+from experiments import mup_coord_check
+from tests.paths import INPUT_TXT, REPO_ROOT
+from tests.training_runs import subprocess_env, text_files_in
+from training import mup_tune, pretrain
+from training.args import TrainConfig, parse_config
+from training.checkpointing import check_resume_fits
+from training.data import train_char_tokenizer
+
+MUP = dict(parametrization="mup", mup_base_width=16)  # with conftest's hidden_size 64: m = 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: one clear error each
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(parametrization="mup"), r"parametrization='mup' needs mup_base_width.*from 1 to hidden_size=64"),
+        (dict(parametrization="mup", mup_base_width=0), r"mup_base_width must be from 1 to hidden_size=64.*got 0"),
+        (dict(parametrization="mup", mup_base_width=-8), r"mup_base_width must be from 1 to hidden_size=64.*got -8"),
+        (dict(parametrization="mup", mup_base_width=128), r"mup_base_width must be from 1 to hidden_size=64.*got 128"),
+        (dict(mup_base_width=16), r"mup_base_width=16 is read only with parametrization='mup'.*'standard'"),
+        (dict(mup_output_multiplier=2.0), r"mup_output_multiplier=2.0 is read only with parametrization='mup'"),
+        (dict(MUP, mup_output_multiplier=0.0), r"mup_output_multiplier must be a finite positive number.*got 0.0"),
+        (dict(parametrization="maximal"), r"parametrization.*'standard', 'mup'.*maximal"),
+    ],
+)
+def test_bad_mup_settings_are_refused(tiny_config, fields, message):
+    """Each impossible muP setting is one ValueError naming the field, the value and what is allowed, from Python
+    and from a recipe's --model flags alike."""
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**fields)
+    flags = [arg for key, value in fields.items() for arg in (f"--model.{key}", str(value))]
+    with pytest.raises(ValueError, match=message):
+        parse_config(TrainConfig, ["--model.hidden_size", "64", "--model.num_attention_heads", "4", *flags])
+
+
+def test_the_training_script_says_what_is_wrong_in_one_line():
+    """training/pretrain.py with muP but no base width exits with status 2 and one ``error:`` line, not a
+    traceback."""
+    result = subprocess.run(
+        [sys.executable, "training/pretrain.py", "--model.parametrization", "mup", "--model.mup_base_width", "4096"],
+        capture_output=True, text=True, env=subprocess_env(), cwd=REPO_ROOT, timeout=300,
+    )  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "mup_base_width must be from 1 to hidden_size=768" in lines[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+def test_mup_at_its_base_width_is_the_standard_model_but_for_the_attention_scale(tiny_config):
+    """At hidden_size == mup_base_width, m = 1: the same initial weights draw for draw and, with the standard
+    attention scale set explicitly, the same logits; muP's own scale is 1/head_dim."""
+    standard = tiny_config()
+    torch.manual_seed(0)
+    reference = DecoderLabForCausalLM(standard).eval()
+    torch.manual_seed(0)
+    mup = DecoderLabForCausalLM(tiny_config(parametrization="mup", mup_base_width=64)).eval()
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), mup.state_dict().values()))
+    assert mup.model.layers[0].self_attn.scaling == 1 / standard.head_dim
+    torch.manual_seed(0)
+    same_scale = DecoderLabForCausalLM(
+        tiny_config(parametrization="mup", mup_base_width=64, attention_scale=standard.head_dim**-0.5)
+    ).eval()
+    ids = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(same_scale(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_mup_draws_hidden_matrices_with_variance_over_m_and_leaves_the_rest(tiny_config):
+    """Under muP (m = 4) every q/k/v/o and MLP matrix draws with std initializer_range / sqrt(m) (o_proj and
+    down_proj also / sqrt(2 x layers)); embeddings, the untied head and norms draw as in the standard model."""
+    sizes = dict(hidden_size=256, num_attention_heads=4, initializer_range=0.04)
+    torch.manual_seed(0)
+    standard = DecoderLabForCausalLM(tiny_config(**sizes))
+    torch.manual_seed(0)
+    mup = DecoderLabForCausalLM(tiny_config(**sizes, parametrization="mup", mup_base_width=64))
+    residual = math.sqrt(2 * 2)
+    for name, param in mup.named_parameters():
+        expected = standard.get_parameter(name).std().item()
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+            expected = 0.04 / 2
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            expected = 0.04 / 2 / residual
+        assert param.std().item() == pytest.approx(expected, rel=0.05), name
+
+
+def mup_forward_reference(model: DecoderLabForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """TP5 Table 8's readout written out: logits = (alpha_out / m) * h W_head^T, h the final hidden state."""
+    config = model.config
+    hidden = model.model(ids).last_hidden_state
+    factor = config.mup_output_multiplier * config.mup_base_width / config.hidden_size
+    return factor * hidden @ model.lm_head.weight.T
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_logits_carry_the_output_multiplier_tied_or_not(tiny_model, tie):
+    """logits = alpha_out / m x (h W_head^T) with the head untied or tied to the embedding (whose lookup is then
+    unscaled: the multiplier is in the forward pass, not in the shared matrix); logit_scale is that factor."""
+    model = tiny_model(**MUP, mup_output_multiplier=3.0, tie_word_embeddings=tie)
+    assert model.config.logit_scale == pytest.approx(3.0 / 4)
+    ids = torch.randint(0, 99, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, mup_forward_reference(model, ids), rtol=1e-6, atol=1e-6)
+        embedded = model.get_input_embeddings()(ids)
+    torch.testing.assert_close(embedded, model.get_input_embeddings().weight[ids])
+    assert model.config.parametrization == "mup" and tiny_model().config.logit_scale == 1.0
+
+
+def test_resizing_the_vocabulary_keeps_the_multiplier(tiny_model):
+    """resize_token_embeddings replaces the head by a plain nn.Linear: the multiplier, being the model's, stays."""
+    model = tiny_model(**MUP)
+    model.resize_token_embeddings(103)
+    ids = torch.randint(0, 103, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, mup_forward_reference(model, ids), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_saved_mup_checkpoint_loads_with_the_same_logits(tiny_model, tmp_path, tie):
+    """save_pretrained / from_pretrained (the Auto class and trust_remote_code's files) give back the same logits;
+    the muP fields are in config.json, the derived logit_scale is not."""
+    model = tiny_model(**MUP, mup_output_multiplier=2.0, tie_word_embeddings=tie)
+    model.save_pretrained(tmp_path)
+    saved = yaml.safe_load((tmp_path / "config.json").read_text())
+    assert saved["parametrization"] == "mup" and saved["mup_base_width"] == 16 and "logit_scale" not in saved
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    ids = torch.randint(0, 99, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The coordinate check
+
+
+@pytest.fixture(scope="module")
+def shakespeare_batch():
+    """(batch, vocabulary size): the coordinate check's one batch of Tiny Shakespeare characters."""
+    text = INPUT_TXT.read_text(encoding="utf-8")[:50_000]
+    tokenizer = train_char_tokenizer([text])
+    settings = mup_coord_check.Settings()
+    ids = torch.tensor(tokenizer(text).input_ids[: settings.batch_size * settings.block_size])
+    return ids.view(settings.batch_size, settings.block_size), len(tokenizer)
+
+
+def test_coordinate_check_flat_under_mup_growing_under_standard(one_thread, shakespeare_batch):
+    """The coordinate check (experiments/mup_coord_check.py's defaults: widths 64-1024, 2 layers, 4 Adam steps
+    through training.optim's groups, 3 seeds): after the last step the slope of log mean |activation| against
+    log width is within +-0.3 under muP for the embeddings, attention logits, attention and MLP outputs and
+    logits (a 16x wider model changes them by less than 2.3x), and above 0.5 under the standard parametrization
+    for all but the embeddings (more than 4x), which keep their scale under both."""
+    batch, vocab_size = shakespeare_batch
+    result = mup_coord_check.coordinate_check(mup_coord_check.Settings(), batch, vocab_size, seeds=[0, 1, 2])
+    mup, standard = result["mup"]["slope"], result["standard"]["slope"]
+    print("\nslopes, muP:", {k: round(v, 2) for k, v in mup.items()})
+    print("slopes, standard:", {k: round(v, 2) for k, v in standard.items()})
+    assert all(abs(slope) < mup_coord_check.FLAT for slope in mup.values()), mup
+    assert all(standard[name] > mup_coord_check.GROWS for name in mup_coord_check.ACTIVATIONS[1:]), standard
+    assert abs(standard["embedding"]) < mup_coord_check.FLAT, standard
+    assert np.isfinite(result["mup"]["loss"]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Training runs: the rates applied and recorded; the tuning command
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    return text_files_in(tmp_path_factory.mktemp("text"), 30_000)
+
+
+def run_argv(text_files, output_dir, *extra: str) -> list[str]:
+    train_file, validation_file = text_files
+    return [
+        "--dataset_name", "none", "--train_file", str(train_file), "--validation_file", str(validation_file),
+        "--block_size", "16", "--per_device_train_batch_size", "4", "--max_train_steps", "6", "--num_warmup_steps",
+        "2", "--eval_steps", "3", "--checkpointing_steps", "none", "--learning_rate", "4e-3", "--output_dir",
+        str(output_dir), "--model.hidden_size", "64", "--model.num_hidden_layers", "2", "--model.num_attention_heads",
+        "4", "--model.parametrization", "mup", "--model.mup_base_width", "16", *extra,
+    ]  # fmt: skip
+
+
+def test_a_mup_run_records_its_groups_and_rates(one_thread, text_files, tmp_path):
+    """training/pretrain.py under muP (m = 4): run_info.json records the hidden matrices at learning_rate / 4 with
+    their factor and the untied head at learning_rate; training_config.yaml lists the same groups as comments and
+    still reads back as the run's TrainConfig; the model card shows them."""
+    out = tmp_path / "run"
+    pretrain.main(run_argv(text_files, out))
+    groups = {g["name"]: g for g in json.loads((out / "run_info.json").read_text())["optimizer_groups"]}
+    assert groups["matrices"]["lr"] == pytest.approx(1e-3) and groups["matrices"]["lr_multiplier"] == 0.25
+    assert groups["output"]["lr"] == pytest.approx(4e-3) and groups["output"]["weight_decay"] == 0.1
+    recorded = (out / "training_config.yaml").read_text()
+    assert "#   matrices: lr 0.001 (x 0.25, muP), wd 0.1, " in recorded
+    again = TrainConfig(**yaml.safe_load(recorded))
+    assert again.model["mup_base_width"] == 16 and again.learning_rate == 4e-3
+    assert "matrices: lr 0.001 (x 0.25, muP)" in (out / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_mup_tune_writes_the_wide_recipe_with_the_best_rate(text_files, tmp_path):
+    """training/mup_tune.py trains the proxy (the target's depth and head width at the recipe's width, muP) at each
+    rate, and writes the recipe at the target size with the rate whose validation loss was lowest (refined between
+    grid points), the flags after "--" but the data's location, and a header marking it unmeasured; it trains."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "block_size": 16, "per_device_train_batch_size": 4, "max_train_steps": 4, "num_warmup_steps": 1,
+        "eval_steps": 2, "learning_rate": 3e-3, "embedding_learning_rate": 6e-3,
+        "model": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 64},
+    }))  # fmt: skip
+    train_file, validation_file = text_files
+    out = tmp_path / "wide.yaml"
+    argv = [str(recipe), "--target_size", "nano", "--learning_rates", "1e-3,4e-3,1.6e-2", "--output", str(out),
+            "--work_dir", str(tmp_path / "work"), "--", "--dataset_name", "none", "--train_file", str(train_file),
+            "--validation_file", str(validation_file), "--max_train_steps", "8"]  # fmt: skip
+    mup_tune.main(argv)
+    losses = [
+        [r["eval_loss"] for r in read_metrics(tmp_path / "work" / f"lr_{lr:.4g}" / "metrics.jsonl") if "eval_loss" in r][-1]
+        for lr in (1e-3, 4e-3, 1.6e-2)
+    ]
+    best, _, _ = mup_tune.best_rate([1e-3, 4e-3, 1.6e-2], losses)
+    proxy = yaml.safe_load((tmp_path / "work" / "lr_0.004" / "config.json").read_text())
+    assert (proxy["hidden_size"], proxy["num_hidden_layers"], proxy["num_attention_heads"]) == (32, 4, 1)
+    assert proxy["parametrization"] == "mup" and proxy["mup_base_width"] == 32 and proxy["intermediate_size"] == 64
+    text = out.read_text()
+    assert "UNMEASURED" in text and "mup_tune.py" in text
+    wide = parse_config(TrainConfig, ["--config", str(out)])
+    assert wide.learning_rate == pytest.approx(best, rel=1e-2)
+    assert wide.embedding_learning_rate == pytest.approx(2 * best, rel=1e-2)
+    assert wide.max_train_steps == 8 and wide.train_file is None  # the flags, but not where the data was
+    assert wide.model == {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                          "intermediate_size": 256, "parametrization": "mup", "mup_base_width": 32}  # fmt: skip
+
+
+def test_mup_tune_refuses_what_it_cannot_tune(tmp_path):
+    """A target no wider than the proxy, a grid of fewer than three rates, an unknown size: one error each."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}}))
+    with pytest.raises(UsageError, match="base_width 128 must be narrower than the nano size's 128"):
+        mup_tune.main([str(recipe), "--target_size", "nano"])
+    with pytest.raises(UsageError, match="learning_rates needs three or more positive rates"):
+        mup_tune.main([str(recipe), "--learning_rates", "1e-3,2e-3"])
+    with pytest.raises(UsageError, match="target_size='huge' is not a named size"):
+        mup_tune.main([str(recipe), "--target_size", "huge"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming
+
+
+def recorded_run(folder, model: dict) -> object:
+    """A run folder whose training_config.yaml records ``model``, and its step_10 checkpoint folder."""
+    (folder / "training_config.yaml").write_text(yaml.safe_dump(TrainConfig(model=model).to_dict()))
+    checkpoint = folder / "step_10"
+    checkpoint.mkdir()
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        (dict(parametrization="standard", mup_base_width=None, mup_output_multiplier=None),
+         "model.parametrization: 'mup' -> 'standard'"),
+        ({"mup_base_width": 64}, "model.mup_base_width: 128 -> 64"),
+        ({"mup_output_multiplier": 2.0}, "model.mup_output_multiplier: 1.5 -> 2.0"),
+    ],
+)
+def test_a_resume_with_other_mup_settings_is_refused(tmp_path, tiny_model, given, named):
+    """Changing a muP setting between a run and its resume changes its learning rates, init and logits: the resume
+    is refused, naming the setting with the checkpoint's value and the given one."""
+    before = dict(hidden_size=256, num_attention_heads=4, parametrization="mup", mup_base_width=128,
+                  mup_output_multiplier=1.5)  # fmt: skip
+    checkpoint = recorded_run(tmp_path, before)
+    after = {key: value for key, value in {**before, **given}.items() if value is not None}
+    with pytest.raises(UsageError, match=f"does not fit this run.*{named}"):
+        check_resume_fits(checkpoint, TrainConfig(model=after), tiny_model())
+    check_resume_fits(checkpoint, TrainConfig(model=before), tiny_model())  # the same settings resume
+
+
+# ----------------------------------------------------------------------------------------------
+# Exports: the multipliers folded into the weights, or refused by name
+
+
+def llama_shaped(randomize, **fields) -> DecoderLabForCausalLM:
+    sizes = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+    config = DecoderLabConfig.from_preset("llama", **{**sizes, **MUP, **fields})
+    return randomize(DecoderLabForCausalLM(config)).eval()
+
+
+@pytest.mark.parametrize(
+    "convert, family, fields",
+    [
+        (convert_to_llama, LlamaForCausalLM, dict(mup_output_multiplier=2.0, attention_bias=True)),
+        (convert_to_qwen3, Qwen3ForCausalLM, dict(qk_norm=True)),
+    ],
+)
+def test_export_folds_the_multipliers_into_the_weights(randomize, tmp_path, convert, family, fields):
+    """--to llama / qwen3 of an untied muP model: the logits' alpha_out / m goes into lm_head and the second
+    1/sqrt(head_dim) of the attention into the queries (q_proj's weight and bias; with QK-norm the query norm's
+    weight), so the plain transformers model computes the same logits; nothing else changes."""
+    model = llama_shaped(randomize, **fields)
+    model.save_pretrained(tmp_path / "src")
+    exported = family.from_pretrained(convert(tmp_path / "src", tmp_path / "dst")).eval()
+    ids = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    query = "q_norm" if model.config.qk_norm else "q_proj"
+    for name, tensor in exported.state_dict().items():
+        expected = model.state_dict()[name]
+        if name == "lm_head.weight":
+            expected = expected * model.config.logit_scale
+        elif f"self_attn.{query}." in name:
+            expected = expected * model.config.head_dim**-0.5
+        torch.testing.assert_close(tensor, expected, rtol=1e-6, atol=0, msg=name)
+
+
+def test_gguf_export_folds_them_too(randomize, tmp_path):
+    """The GGUF file (llama.cpp's llama graph, q/k rows interleaved after the fold) read back by transformers' GGUF
+    loader gives the muP model's logits."""
+    tokenizer = train_char_tokenizer([INPUT_TXT.read_text(encoding="utf-8")])
+    model = llama_shaped(randomize, vocab_size=len(tokenizer), max_position_embeddings=128,
+                         mup_output_multiplier=2.0)  # fmt: skip
+    model.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    out = convert_to_gguf(tmp_path / "src", tmp_path / "model.gguf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name).eval()
+    ids = tokenizer("ROMEO:\nBut soft, what light").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(torch.tensor([ids])).logits, model(torch.tensor([ids])).logits,
+                                   rtol=0, atol=1e-4)  # fmt: skip
+
+
+def test_onnx_export_traces_the_multipliers(tiny_model, tmp_path):
+    """ONNX traces the model's own forward, so a muP model's graph holds both multipliers: ONNX Runtime gives its
+    logits (tied head, m = 4, alpha_out 2) within 1e-4 at a batch and length other than those traced."""
+    import onnxruntime
+
+    model = tiny_model(**MUP, mup_output_multiplier=2.0, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "src")
+    out = export_onnx(tmp_path / "src", tmp_path / "model.onnx")
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    ids = torch.randint(0, 99, (3, 13))
+    (logits,) = session.run(["logits"], {"input_ids": ids.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(logits), model(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_a_tied_mup_head_is_refused_by_name(randomize, tmp_path):
+    """With a tied head the logits' factor cannot go into lm_head without changing the embedding: --to llama
+    refuses, naming parametrization and the factor, and writes nothing; at m = 1 and alpha_out = 1 there is no
+    factor, and the export goes through."""
+    model = llama_shaped(randomize, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"parametrization='mup': muP multiplies the logits by .* = 0.25.*tie"):
+        llama_config_from_decoderlab(model.config)
+    model.save_pretrained(tmp_path / "src")
+    with pytest.raises(ValueError, match=r"stand in the way:\n  parametrization='mup'"):
+        convert_to_llama(tmp_path / "src", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    at_base = DecoderLabConfig.from_preset("llama", "nano", parametrization="mup", mup_base_width=128,
+                                           tie_word_embeddings=True)  # fmt: skip
+    assert llama_config_from_decoderlab(at_base).tie_word_embeddings
