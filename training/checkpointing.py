@@ -399,7 +399,7 @@ def claim_output_dir(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | N
 # other optimizer groups, which torch would refuse with a list of tensor names
 SHAPING_FIELDS = (
     "model_name_or_path", "tokenizer_type", "tokenizer_name", "bpe_vocab_size", "add_special_tokens", "use_lora",
-    "lora_r", "lora_target_modules", "fsdp",
+    "lora_r", "lora_target_modules", "fsdp", "optimizer",
 )  # fmt: skip
 CONFIG_NAME = "training_config.yaml"
 WRAPPER_PREFIXES = ("module.", COMPILED_PREFIX)  # DDP's and torch.compile's, in the names Accelerate saves

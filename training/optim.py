@@ -15,6 +15,13 @@ The rules, read top to bottom in ``param_groups``:
 - ``other``: everything else, without decay: norm gains, biases, learned positions, and the token embeddings when
   they have no rate of their own. Decaying an embedding row pulls rare tokens toward zero for no gain, and decaying
   norm gains or biases fights the scale they exist to set (GPT-2, nanoGPT and Llama recipes all exempt them).
+- ``muon_matrices``, with ``cfg.optimizer == "muon"`` only: the 2-D weights inside the decoder blocks (q/k/v/o and
+  the MLP's projections: the modules the model lists in ``_no_split_modules``) go to ``torch.optim.Muon`` at
+  ``cfg.muon_learning_rate`` with ``cfg.muon_weight_decay``; every other group stays AdamW's. The token embeddings
+  and the head are 2-D too, but Muon orthogonalises a matrix's update as a whole, which suits a map from one hidden
+  space to another and not a lookup table or the logits (Keller Jordan's Muon README; every modded-nanogpt record
+  keeps them on Adam). Norm gains and biases are 1-D, which Muon refuses. Under muP (Yang et al. 2022), Muon's
+  update already has a width-independent spectral norm, so its rate takes no 1/width factor.
 """
 
 import torch
@@ -24,25 +31,40 @@ from transformers import get_scheduler
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 EMBEDDING_MODULES = (nn.Embedding, DecoderLabAbsolutePositionalEmbedding)
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon"}
+
+
+def block_matrices(model: nn.Module) -> set[int]:
+    """The ids of the 2-D weights inside the decoder blocks: the modules whose class ``model._no_split_modules``
+    names (FSDP's subclass of one included), the units ``training.sharding`` shards by."""
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if any(c.__name__ in units for c in type(m).__mro__)]
+    return {id(p) for block in blocks for p in block.parameters() if p.ndim == 2}
 
 
 def param_groups(model: nn.Module, cfg) -> list[dict]:
-    """Named optimizer groups (``name``, ``params``, ``lr``, ``weight_decay``) covering every trainable parameter of
-    ``model`` exactly once, by the rules of this module's docstring; groups left empty are dropped."""
+    """Named optimizer groups (``name``, ``params``, ``lr``, ``weight_decay``, ``use_muon``) covering every trainable
+    parameter of ``model`` exactly once, by the rules of this module's docstring; groups left empty are dropped."""
     embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_MODULES) for p in m.parameters()}
     own_rate = set()
     if cfg.embedding_learning_rate is not None:
         own_rate = {id(p) for p in model.get_input_embeddings().parameters()}
+    muon = block_matrices(model) if cfg.optimizer == "muon" else set()
     groups = {
         "matrices": {"params": [], "lr": cfg.learning_rate, "weight_decay": cfg.weight_decay},
         "other": {"params": [], "lr": cfg.learning_rate, "weight_decay": 0.0},
         "embeddings": {"params": [], "lr": cfg.embedding_learning_rate, "weight_decay": 0.0},
+        "muon_matrices": {"params": [], "lr": cfg.muon_learning_rate, "weight_decay": cfg.muon_weight_decay},
     }  # in this order: a checkpoint's optimizer state lists its groups by position
+    for group_name, group in groups.items():
+        group["use_muon"] = group_name == "muon_matrices"
     for param in model.parameters():  # each tensor once, a tied one included
         if not param.requires_grad:
             continue
         if id(param) in own_rate:
             name = "embeddings"
+        elif id(param) in muon:
+            name = "muon_matrices"
         elif param.ndim >= 2 and id(param) not in embedding_params:
             name = "matrices"
         else:
@@ -71,33 +93,99 @@ def recorded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     groups = [{**group, "lr": group.get("initial_lr", group["lr"])} for group in optimizer.param_groups]
     keep = ("name", "lr", "weight_decay", "parameters")
     return [
-        {key: group[key] for key in keep} | {"tensors": len(group["tensors"])}
+        {key: group[key] for key in keep}
+        | {"optimizer": "muon" if group.get("use_muon") else "adamw", "tensors": len(group["tensors"])}
         for group in describe_groups(model, groups)
     ]
 
 
 def groups_text(recorded: list[dict]) -> str:
-    """``recorded_groups`` in one line, for the card: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters; ...``."""
+    """``recorded_groups`` in one line, for the card: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters; ...``;
+    each group's optimizer in parentheses when Muon takes part (``muon_matrices (Muon): lr 0.02, ...``)."""
+    mixed = any(g.get("optimizer") == "muon" for g in recorded)
+    label = lambda g: f" ({OPTIMIZER_NAMES[g.get('optimizer', 'adamw')]})" if mixed else ""
     return "; ".join(
-        f"{g['name']}: lr {g['lr']:g}, wd {g['weight_decay']:g}, {g['parameters']:,} parameters" for g in recorded
+        f"{g['name']}{label(g)}: lr {g['lr']:g}, wd {g['weight_decay']:g}, {g['parameters']:,} parameters"
+        for g in recorded
     )
 
 
-def make_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; the fused kernel where torch has one (CPU and CUDA): one call updates every
-    tensor, instead of a Python loop over them (about 4x faster for the nano model on CPU)."""
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for the groups marked ``use_muon``, ``torch.optim.AdamW`` for the others, as one optimizer.
+
+    One list of ``param_groups`` and one ``state``, so that everything that takes one optimizer takes this one
+    unchanged: a transformers schedule (a ``LambdaLR`` scales every group's own peak rate), ``accelerator.prepare``
+    (gradient accumulation, DDP), ``save_state`` / ``load_state`` and ``torch.distributed.checkpoint`` (one
+    ``state_dict`` in torch's format: Muon's momentum buffers beside AdamW's moments). The arithmetic is torch's: the
+    two torch optimizers inside hold the very same group dicts and the same state, and are linked to them again
+    whenever ``load_state_dict`` replaces them.
+    """
+
+    def __init__(self, groups: list[dict], muon: dict, adamw: dict):
+        self.inner = {
+            use_muon: (torch.optim.Muon if use_muon else torch.optim.AdamW)(chosen, **(muon if use_muon else adamw))
+            for use_muon in (True, False)
+            if (chosen := [group for group in groups if group["use_muon"] == use_muon])
+        }  # each fills its own defaults into its groups (betas, fused / momentum, nesterov, ...)
+        super().__init__(groups, defaults={})
+        self._link()
+
+    def _link(self) -> None:
+        for use_muon, optimizer in self.inner.items():
+            optimizer.param_groups = [group for group in self.param_groups if group["use_muon"] == use_muon]
+            optimizer.state = self.state
+
+    def __setstate__(self, state: dict) -> None:  # load_state_dict ends here with new group dicts and a new state
+        super().__setstate__(state)
+        if "inner" in self.__dict__:
+            self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for optimizer in self.inner.values():
+            optimizer.step()
+        return loss
+
+
+def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """AdamW over ``param_groups`` (``cfg.optimizer == "adamw"``), or ``MuonWithAdamW`` (``"muon"``); AdamW takes the
+    fused kernel where torch has one (CPU and CUDA): one call updates every tensor, instead of a Python loop over
+    them (about 4x faster for the nano model on CPU)."""
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
-    return torch.optim.AdamW(
-        param_groups(model, cfg),
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
-        fused=fused or None,
+    adamw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=fused or None)
+    groups = param_groups(model, cfg)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **adamw)
+    muon = dict(
+        lr=cfg.muon_learning_rate,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        adjust_lr_fn=cfg.muon_adjust_lr_fn,
     )
+    return MuonWithAdamW(groups, muon=muon, adamw=adamw)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg, num_training_steps: int):
-    """transformers' scheduler ``cfg.lr_scheduler_type``; stepped once per optimizer step."""
+    """transformers' scheduler ``cfg.lr_scheduler_type``; stepped once per optimizer step.
+
+    ``warmup_stable_decay`` (transformers' ``get_wsd_schedule``) takes its decay as a number of steps in
+    ``lr_scheduler_kwargs`` (``num_decay_steps``, with ``decay_type`` and ``min_lr_ratio``: its defaults are a cosine
+    decay to 0); warm-up and decay must fit in the run, or the stable phase would have a negative length."""
+    decay = (cfg.lr_scheduler_kwargs or {}).get("num_decay_steps")
+    stable = (cfg.lr_scheduler_kwargs or {}).get("num_stable_steps")
+    if cfg.lr_scheduler_type == "warmup_stable_decay" and isinstance(decay, int) and stable is None:
+        if cfg.num_warmup_steps + decay > num_training_steps:
+            raise ValueError(
+                f"lr_scheduler_type=warmup_stable_decay: num_warmup_steps={cfg.num_warmup_steps} plus "
+                f"lr_scheduler_kwargs num_decay_steps={decay} exceed the run's {num_training_steps} steps. Shorten "
+                "the warm-up or the decay (e.g. num_decay_steps of 40% of the steps, modded-nanogpt's cooldown)."
+            )
     try:
         return get_scheduler(
             cfg.lr_scheduler_type,
