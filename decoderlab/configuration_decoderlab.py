@@ -140,9 +140,17 @@ class DecoderLabConfig(PreTrainedConfig):
     """GPT-2's initialisation of the residual output projections (``o_proj``, ``down_proj``): std / sqrt(2 x layers).
     Drawn on the projections themselves, so it holds on every transformers release; saved checkpoints are not
     affected."""
+    zero_residual_init: bool = False
+    """Start the residual output projections (``o_proj``, ``down_proj``) at zero, so every block begins as the
+    identity and its output grows from there (modded-nanogpt, record of 2024-10-14); their biases start at zero too.
+    Only the start of training changes, and it wins over ``scale_residual_init`` (a scaled zero is zero)."""
     embedding_initializer_range: float | None = None
     """Standard deviation of the token embeddings' initialisation (``None``: ``initializer_range``; a tied ``lm_head``
     is the same matrix). Only the start of training changes: every other weight draws what it would have drawn."""
+    final_logit_softcapping: float | None = None
+    """Soft-cap the logits, z -> c * tanh(z / c) with c this value, right after ``lm_head`` (Gemma 2's field: the loss
+    and generation both see the capped logits); ``None``: logits as they are. A logit can then never exceed c in
+    size, and logits well below c pass nearly unchanged (modded-nanogpt caps at 30, later 15)."""
     use_cache: bool = True
     """Return a KV cache from ``forward`` (generation uses one either way); a training-mode forward with gradients
     builds none unless passed ``use_cache=True``."""
@@ -210,6 +218,12 @@ class DecoderLabConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite standard deviation >= 0, got {value}.")
+        cap = self.final_logit_softcapping
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise ValueError(
+                f"final_logit_softcapping must be a positive number, the cap c of c * tanh(logits / c) (None: no "
+                f"cap), got {cap}."
+            )
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}.")
         if self.use_parallel_residual and self.norm_placement != "pre":

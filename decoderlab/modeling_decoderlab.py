@@ -556,6 +556,25 @@ def requested_tensor_parallel_size(kwargs: dict) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# The logits
+
+
+class LogitSoftCap(nn.Module):
+    """Final-logit soft-capping (Gemma 2, Team Gemma 2024, section 2; modded-nanogpt): z -> c * tanh(z / c). Near
+    zero it is the identity (slope 1); no logit can exceed c in size, so no single token's logit runs away."""
+
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.cap) * self.cap
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap:g}"
+
+
+# ----------------------------------------------------------------------------------------------
 # Hugging Face models
 
 
@@ -593,12 +612,16 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             # the token embeddings with a std of their own, drawn once (the other weights draw what they would)
             init.normal_(module.weight, mean=0.0, std=embedding_std)
             return
-        if self.config.scale_residual_init and getattr(module, "is_residual_output", False):
+        residual = getattr(module, "is_residual_output", False)
+        if residual and (self.config.scale_residual_init or self.config.zero_residual_init):
             # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded.
             # Drawn on the projection itself: transformers skips _init_weights for modules without parameters of
             # their own, such as the attention and MLP modules (from 5.13 on for all code outside the library; 5.12
             # for remote code only)
-            init.normal_(module.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_hidden_layers))
+            scale = math.sqrt(2 * self.config.num_hidden_layers) if self.config.scale_residual_init else 1.0
+            init.normal_(module.weight, mean=0.0, std=std / scale)
+            if self.config.zero_residual_init:  # every block starts as the identity (modded-nanogpt, 2024-10-14);
+                init.zeros_(module.weight)  # drawn first, so every other tensor draws what it would without
             if module.bias is not None:
                 init.zeros_(module.bias)
             return
@@ -745,6 +768,8 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
         self.model = DecoderLabModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = DecoderLabLinear(config.hidden_size, config.vocab_size, bias=False)
+        cap = config.final_logit_softcapping
+        self.logit_softcap = LogitSoftCap(cap) if cap is not None else None
         # transformers' ForCausalLMLoss, computed with fewer (tokens x vocabulary) buffers; assign another to replace it
         self.loss_function = causal_lm_loss
         self.post_init()
@@ -781,6 +806,8 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)  # (B, T, V)
+        if self.logit_softcap is not None:  # before the loss and generation, as in Gemma 2
+            logits = self.logit_softcap(logits)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -4,7 +4,7 @@
     python tests/version_matrix/roundtrip.py check DIR [DIR ...] [--resave-to OUT] [--json FILE]
 
 ``save`` builds one tiny model per position type x block layout x attention type (4 x 4 x 3), plus one per RoPE
-scaling type (``ROPE_SCALINGS``), its weights
+scaling type (``ROPE_SCALINGS``) and per set of the speedrun's switches (``SPEEDRUN``), its weights
 re-drawn so logits are O(1) (the default init makes them so small that a 1e-5 tolerance would hide bugs), and
 writes each with ``save_pretrained`` beside ``reference.pt``: fp32 logits of a fixed batch and of a left-padded
 one (with RoPE also of a sequence longer than max_position_embeddings, and of the batch again after it), and
@@ -66,6 +66,12 @@ ROPE_SCALINGS = {
     "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     "longrope": {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 32},
 }
+# modded-nanogpt's switches (issue 46): ReLU squared in the gated and the plain MLP, the final logits soft-capped (at
+# 2, so that the cap changes the O(1) logits of the re-drawn weights), the residual projections zero-initialised
+SPEEDRUN = {
+    "speedrun": dict(hidden_act="relu2", final_logit_softcapping=2.0, zero_residual_init=True, qk_norm=True),
+    "speedrunplain": dict(hidden_act="relu2", mlp_type="plain", final_logit_softcapping=2.0),
+}
 SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 PAD = 0
 NEW_TOKENS = 6
@@ -101,6 +107,8 @@ def matrix() -> dict[str, dict]:
         fields = dict(configs["rope_pre_gqa"])
         fields["rope_parameters"] = {"rope_type": kind, "rope_theta": 10000.0, **parameters}
         configs[f"rope{kind}_pre_gqa"] = fields
+    for name, mechanisms in SPEEDRUN.items():  # the speedrun's switches, on the pre-norm Llama layouts
+        configs[f"rope{name}_pre_gqa"] = dict(configs["rope_pre_gqa"], **mechanisms)
     return configs
 
 
