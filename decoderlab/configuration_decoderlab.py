@@ -94,6 +94,10 @@ class DecoderLabConfig(PreTrainedConfig):
     """Biases on ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj``."""
     attention_dropout: float = 0.0
     """Dropout on the attention weights, in training."""
+    value_residual: bool = False
+    """Every layer after the first mixes the first layer's values into its own, v <- v + l (v_1 - v), with l a learned
+    scalar per layer, 0.5 at first (Zhou et al. 2024; modded-nanogpt, record of 2024-11-06): later layers keep access
+    to the tokens' own values."""
     # positions
     position_embedding_type: PositionEmbeddingType = "rope"
     """``"rope"`` rotary (Su et al. 2021), ``"sinusoidal"`` (Vaswani et al. 2017), ``"learned"`` absolute (GPT-2) or

@@ -298,6 +298,32 @@ def eager_attention_forward(
     return out, weights
 
 
+class DecoderLabFirstValues(nn.Module):
+    """The value residual's first layer: hands its values to the layers after it (``values["first"]``)."""
+
+    def forward(self, v: torch.Tensor, values: dict) -> torch.Tensor:
+        values["first"] = v  # (B, T, n_kv, hs)
+        return v
+
+
+class DecoderLabValueResidual(nn.Module):
+    """The value residual of a later layer (Zhou et al. 2024): v <- v + l (v_1 - v), with l learned (0.5 at first)
+    and v_1 the first layer's values for the same tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, v: torch.Tensor, values: dict) -> torch.Tensor:
+        return torch.lerp(v, values["first"], self.weight.to(v.dtype))
+
+
+def make_value_residual(config: DecoderLabConfig, layer_idx: int) -> nn.Module | None:
+    if not config.value_residual:
+        return None
+    return DecoderLabFirstValues() if layer_idx == 0 else DecoderLabValueResidual()
+
+
 class DecoderLabAttention(nn.Module):
     """Multi-head attention with grouped-query / multi-query variants and a switchable scale.
 
@@ -331,6 +357,7 @@ class DecoderLabAttention(nn.Module):
         # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen 3): normalise each head's q and k before RoPE
         self.q_norm = make_norm(config, hs) if config.qk_norm else None
         self.k_norm = make_norm(config, hs) if config.qk_norm else None
+        self.value_residual = make_value_residual(config, layer_idx)  # None, the first layer's, or a later one's
 
     def forward(  # internal: called with `cache` only, so no argument-renaming wrapper
         self,
@@ -338,12 +365,15 @@ class DecoderLabAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        values: dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)  # (B, T, nh, hs)
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)  # (B, T, n_kv, hs)
         v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)  # (B, T, n_kv, hs)
+        if self.value_residual is not None:  # before the cache: it keeps each layer's mixed values
+            v = self.value_residual(v, values)
         # Per-head norm and rotation act on each head's last dimension, so they run before the heads move to
         # dimension 1 (as in Qwen 3), on contiguous memory: the same numbers, fewer strided passes
         if self.q_norm is not None:
@@ -625,6 +655,9 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
             return
+        if isinstance(module, DecoderLabValueResidual):
+            init.constant_(module.weight, 0.5)  # half the layer's own values, half the first layer's
+            return
         super()._init_weights(module)  # Linear, Embedding, norms, and the RoPE buffers
         if isinstance(module, DecoderLabLearnedPositionalEmbedding):
             init.normal_(module.weight, mean=0.0, std=std)
@@ -742,12 +775,14 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         # RoPE: cos/sin computed once, applied to q and k in every layer
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
+        values = {}  # the value residual's: the first layer's values for the later layers (config.value_residual)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
+                values=values,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)

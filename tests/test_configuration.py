@@ -40,6 +40,7 @@ NON_DEFAULT_FIELDS = dict(
     qk_norm=True,
     attention_bias=True,
     attention_dropout=0.1,
+    value_residual=True,
     position_embedding_type="rope",
     rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0, "partial_rotary_factor": 0.5},
     norm_placement="pre",

@@ -523,11 +523,13 @@ def test_cli_to_qwen3(tmp_path, randomize, ids, capsys):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_logit_softcapping_is_refused_by_name(family, tmp_path, randomize, capsys):
-    """final_logit_softcapping changes every logit, and neither Llama nor Qwen3 caps them: --to llama and --to qwen3
-    refuse it by name (the value and why), in the command's error message, and write nothing; the same model
-    without the cap exports. zero_residual_init, an initialisation only, exports as it is."""
-    model = qk_norm_model(randomize, qk_norm=family == "qwen3", final_logit_softcapping=15.0, zero_residual_init=True)
+def test_logit_softcapping_and_value_residual_are_refused_by_name(family, tmp_path, randomize, capsys):
+    """final_logit_softcapping changes every logit and value_residual every later layer's values, and neither Llama
+    nor Qwen3 has either: --to llama and --to qwen3 refuse each by name (the value and why), in the command's error
+    message, and write nothing; the model without them exports. zero_residual_init, an initialisation only, exports
+    as it is."""
+    model = qk_norm_model(randomize, qk_norm=family == "qwen3", final_logit_softcapping=15.0, zero_residual_init=True,
+                          value_residual=True)  # fmt: skip
     src = saved(model, tmp_path / "src")
     capsys.readouterr()  # the save's progress bar
     with pytest.raises(SystemExit) as exit_info:
@@ -537,7 +539,8 @@ def test_logit_softcapping_is_refused_by_name(family, tmp_path, randomize, capsy
     assert err.startswith("error: ") and "Traceback" not in err
     name = family.capitalize()
     assert f"\n  final_logit_softcapping=15.0: {name} returns its logits uncapped (None)" in err
+    assert f"\n  value_residual=True: {name}'s layers use their own values only (False)" in err
     assert not (tmp_path / "dst").exists()
-    model.config.final_logit_softcapping = None
+    model = qk_norm_model(randomize, qk_norm=family == "qwen3", zero_residual_init=True)
     convert = convert_to_qwen3 if family == "qwen3" else convert_to_llama
     convert(saved(model, tmp_path / "uncapped"), tmp_path / "dst")

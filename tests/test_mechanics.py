@@ -377,6 +377,55 @@ def test_final_logit_softcapping_caps_the_logits_the_loss_and_generation_see(tin
     assert torch.stack(generated.logits).abs().max() < 2.0
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_value_residual_equals_its_equation(tiny_model, kv_heads):
+    """value_residual: every layer after the first computes attention with v_l + l_l (v_1 - v_l), v_1 the first
+    layer's values of the same tokens; the reference here is the model without the switch, the same weights, with
+    v_proj's outputs mixed by forward hooks (the mix is per element, so before or after the heads are split is the
+    same). Each l is learned (a gradient reaches it, and the first layer's v_proj through the later layers), gradient
+    checkpointing gives the same gradients, and cached generation equals uncached."""
+    model = tiny_model(num_key_value_heads=kv_heads, value_residual=True)
+    plain = tiny_model(num_key_value_heads=kv_heads)
+    lambdas = [layer.self_attn.value_residual.weight for layer in model.model.layers[1:]]
+    with torch.no_grad():
+        for i, weight in enumerate(lambdas):
+            weight.fill_(0.2 + 0.3 * i)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "value_residual" not in k})
+    first = {}
+    plain.model.layers[0].self_attn.v_proj.register_forward_hook(lambda module, args, out: first.__setitem__("v", out))
+    for weight, layer in zip(lambdas, plain.model.layers[1:]):
+        layer.self_attn.v_proj.mixing = weight.detach().clone()
+        layer.self_attn.v_proj.register_forward_hook(lambda module, args, out: out + module.mixing * (first["v"] - out))
+    ids = torch.randint(0, 99, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert type(model.model.layers[0].self_attn.value_residual).__name__ == "DecoderLabFirstValues"
+
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert all(weight.grad.abs().sum() > 0 for weight in lambdas)
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(input_ids=ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)
+    model.gradient_checkpointing_disable()
+    model.eval()
+    generate = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:, :4], use_cache=True, **generate),
+                       model.generate(ids[:, :4], use_cache=False, **generate))  # fmt: skip
+
+
+def test_value_residual_starts_at_one_half(tiny_config):
+    """A fresh model's mixing weights are 0.5 (the first layer has none), and they sit with the norms in the
+    optimizer groups (1-D: AdamW, no weight decay)."""
+    model = DecoderLabForCausalLM(tiny_config(num_hidden_layers=3, value_residual=True))
+    named = {name: p for name, p in model.named_parameters() if "value_residual" in name}
+    assert sorted(named) == [f"model.layers.{i}.self_attn.value_residual.weight" for i in (1, 2)]
+    assert all(p.shape == (1,) and p.item() == 0.5 for p in named.values())
+
+
 @pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan")])
 def test_final_logit_softcapping_must_be_positive(tiny_config, cap):
     """A cap <= 0 (or not finite) is refused naming the field, the value and what it means."""

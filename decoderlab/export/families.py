@@ -189,6 +189,7 @@ def llama_shaped_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, 
             config.final_logit_softcapping is not None,
             f"{family} returns its logits uncapped (None); Gemma 2 caps them, with another block",
         ),
+        "value_residual": (config.value_residual, f"{family}'s layers use their own values only (False)"),
     }
 
 

@@ -67,9 +67,11 @@ ROPE_SCALINGS = {
     "longrope": {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 32},
 }
 # modded-nanogpt's switches (issue 46): ReLU squared in the gated and the plain MLP, the final logits soft-capped (at
-# 2, so that the cap changes the O(1) logits of the re-drawn weights), the residual projections zero-initialised
+# 2, so that the cap changes the O(1) logits of the re-drawn weights), the residual projections zero-initialised, the
+# value residual
 SPEEDRUN = {
-    "speedrun": dict(hidden_act="relu2", final_logit_softcapping=2.0, zero_residual_init=True, qk_norm=True),
+    "speedrun": dict(hidden_act="relu2", final_logit_softcapping=2.0, zero_residual_init=True, qk_norm=True,
+                     value_residual=True),
     "speedrunplain": dict(hidden_act="relu2", mlp_type="plain", final_logit_softcapping=2.0),
 }
 SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
