@@ -490,8 +490,11 @@ def test_muon_run_accumulates_resumes_exactly_and_records_its_groups(tmp_path, t
     assert groups["muon_matrices"]["tensors"] == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
     assert {groups[name]["optimizer"] for name in ("matrices", "other")} == {"adamw"}
     assert "muon_matrices (Muon): lr 0.02, wd 0, " in (reference / "README.md").read_text()
-    resolved = TrainConfig(**yaml.safe_load((reference / "training_config.yaml").read_text()))
+    recorded = (reference / "training_config.yaml").read_text()
+    resolved = TrainConfig(**yaml.safe_load(recorded))
     assert resolved.optimizer == "muon" and resolved.muon_learning_rate == 0.02
+    assert recorded.startswith("# Optimizer groups of this run (training/optim.py's rules; a record, not a setting):\n")
+    assert "\n#   muon_matrices: Muon, lr 0.02, wd 0, " in recorded and " parameters in 14 tensors\n" in recorded
 
 
 @pytest.mark.slow

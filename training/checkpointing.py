@@ -304,10 +304,12 @@ def save_final_folder(
     output_dir,
     config: dict,
     info: dict,
+    config_comment: str = "",
 ) -> pathlib.Path:
     """Write a complete Hugging Face checkpoint into ``output_dir``: weights (safetensors), config, generation
-    config, tokenizer, the resolved training configuration and ``run_info.json``. ``metrics.jsonl`` is
-    already there (the loop appends to it); the model card is written last, by the script."""
+    config, tokenizer, the resolved training configuration (after ``config_comment``, YAML comment lines that a
+    reader of the file sees and ``yaml.safe_load`` skips) and ``run_info.json``. ``metrics.jsonl`` is already there
+    (the loop appends to it); the model card is written last, by the script."""
     output_dir = pathlib.Path(output_dir)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # without DDP's and torch.compile's wrappers
     if is_sharded(unwrapped):  # --fsdp: the full weights gathered into a plain copy on the main process
@@ -321,7 +323,7 @@ def save_final_folder(
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
-        (output_dir / "training_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        (output_dir / "training_config.yaml").write_text(config_comment + yaml.safe_dump(config, sort_keys=False))
         (output_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
     accelerator.wait_for_everyone()
     return output_dir

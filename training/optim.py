@@ -1,8 +1,8 @@
 """Which parameter gets which optimizer rule, learning rate and weight decay: the one place that answers it.
 
 ``param_groups(model, cfg)`` is the only function from a model and a run configuration to optimizer groups; every
-group is named, so the run records the split (``recorded_groups``: ``run_info.json`` and the model card) and a test
-prints it for every preset. ``make_optimizer`` builds the optimizer over those groups and
+group is named, so the run records the split (``recorded_groups``: ``run_info.json``, the model card and comment
+lines atop ``training_config.yaml``) and a test prints it for every preset. ``make_optimizer`` builds the optimizer over those groups and
 ``make_scheduler`` transformers' schedule over the optimizer (it scales each group's own peak rate, so groups with a
 rate of their own keep their ratio to the others).
 
@@ -97,6 +97,19 @@ def recorded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
         | {"optimizer": "muon" if group.get("use_muon") else "adamw", "tensors": len(group["tensors"])}
         for group in describe_groups(model, groups)
     ]
+
+
+def groups_comment(recorded: list[dict]) -> str:
+    """``recorded_groups`` as YAML comment lines, for the top of the run's ``training_config.yaml``: the split and each
+    group's optimizer and peak rate where the settings are (comments: reading the file back as a TrainConfig skips
+    them)."""
+    lines = ["Optimizer groups of this run (training/optim.py's rules; a record, not a setting):"]
+    lines += [
+        f"  {g['name']}: {OPTIMIZER_NAMES[g.get('optimizer', 'adamw')]}, lr {g['lr']:g}, wd {g['weight_decay']:g}, "
+        f"{g['parameters']:,} parameters in {g['tensors']} tensor{'s' if g['tensors'] != 1 else ''}"
+        for g in recorded
+    ]
+    return "".join(f"# {line}\n" for line in lines)
 
 
 def groups_text(recorded: list[dict]) -> str:
