@@ -2,9 +2,9 @@
 
 ``param_groups(model, cfg)`` is the only function from a model and a run configuration to optimizer groups; every
 group is named, so the run records the split (``recorded_groups``: ``run_info.json``, the model card and comment
-lines atop ``training_config.yaml``) and a test prints it for every preset. ``make_optimizer`` builds the optimizer over those groups and
-``make_scheduler`` transformers' schedule over the optimizer (it scales each group's own peak rate, so groups with a
-rate of their own keep their ratio to the others).
+lines atop ``training_config.yaml``) and a test prints it for every preset. ``make_optimizer`` builds the optimizer
+over those groups (AdamW, or ``MuonWithAdamW``) and ``make_scheduler`` transformers' schedule over the optimizer (it
+scales each group's own peak rate, so groups with a rate of their own keep their ratio to the others).
 
 The rules, read top to bottom in ``param_groups``:
 
