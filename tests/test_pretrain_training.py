@@ -526,15 +526,17 @@ def test_sigkilled_run_resumes_to_the_same_losses(tmp_path, text_files):
 
 
 @pytest.mark.slow
-def test_two_processes_follow_the_single_process_curve(tmp_path, text_files):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_processes_follow_the_single_process_curve(tmp_path, text_files, optimizer):
     """torchrun with 2 gloo processes of batch 4 is data-parallel (gradients averaged every step) and so
-    follows one process with batch 8: the same blocks per step (BlockBatches) and the same mean gradient.
+    follows one process with batch 8: the same blocks per step (BlockBatches) and the same mean gradient; with
+    Muon too (every process orthogonalises the same averaged gradient).
 
     Tolerance 1e-4 on losses of ~2-4: the only differences are the order of floating-point sums (the
     all-reduce vs. one batch), ~1e-7 relative per step, growing slowly over 30 steps. Processes training
     independently (no gradient exchange) would drift apart by ~1e-2 within these steps.
     """
-    steps = ["--max_train_steps", "30", "--checkpointing_steps", "none", "--eval_steps", "none"]
+    steps = ["--max_train_steps", "30", "--checkpointing_steps", "none", "--eval_steps", "none", "--optimizer", optimizer]
     single, parallel = tmp_path / "single", tmp_path / "parallel"
     pretrain.main(tiny_argv(text_files, single, *steps, "--per_device_train_batch_size", "8"))
     env = subprocess_env()
