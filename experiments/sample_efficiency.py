@@ -9,7 +9,7 @@ switch is added alone to the recipe as it was before it took any (AdamW, SwiGLU,
 the recipe as it is now (the YAML file) runs beside them; every setting trains with 3 seeds and is scored by the
 tokens it needs to reach validation loss ``--target_loss`` (1.70), and by its validation loss at the end. At
 nanoGPT's GPU shape (6 x 384) the GPU recipe as it was and with the switches the demo recipe took run for a few
-hundred steps, scored by the tokens they need to reach the old recipe's final loss.
+hundred steps, scored by the tokens they need to reach the old recipe's highest final loss over its seeds.
 """
 
 import dataclasses
@@ -223,7 +223,8 @@ def run(session: common.Session, settings: Settings) -> None:
         return out
 
     demo_tokens = per_token(demo, demo_runs, settings.target_loss)
-    wide_target = float(np.mean([r.final_eval_loss for r in wide_runs["before"].runs]))
+    # the highest final loss of the old recipe's seeds: a loss every one of them reaches
+    wide_target = float(np.max([r.final_eval_loss for r in wide_runs["before"].runs]))
     wide_tokens = per_token(wide, wide_runs, wide_target)
     write(session, settings, demo, demo_runs, demo_tokens, wide, wide_runs, wide_tokens, wide_target, corpus,
           wide_corpus)  # fmt: skip
@@ -239,6 +240,11 @@ def fewer_tokens(tokens: dict, key: str, base: str = "before") -> bool:
 def ratio(tokens: dict, key: str, base: str = "before") -> float:
     """Mean tokens of ``base`` over mean tokens of ``key`` (NaN when a seed never reached the target)."""
     return float(np.mean(tokens[base]) / np.mean(tokens[key]))
+
+
+def token_gap(a: np.ndarray, b: np.ndarray) -> str:
+    """``common.spread_note`` in thousands of tokens: 'gap +204k vs spread 41k'."""
+    return f"gap {(np.mean(b) - np.mean(a)) / 1e3:+,.0f}k vs spread {(common.spread(a) + common.spread(b)) / 1e3:,.0f}k"
 
 
 def tokens_text(values: np.ndarray) -> str:
@@ -300,7 +306,7 @@ def write(session, settings, demo, demo_runs, demo_tokens, wide, wide_runs, wide
             "(beyond the seed-to-seed spread)",
             fewer_tokens(demo_tokens, key),
             f"{tokens_text(demo_tokens[key])} vs {tokens_text(demo_tokens['before'])} tokens "
-            f"({ratio(demo_tokens, key):.2f}x; {common.spread_note(demo_tokens[key], demo_tokens['before'])})",
+            f"({ratio(demo_tokens, key):.2f}x; {token_gap(demo_tokens[key], demo_tokens['before'])})",
         ))  # fmt: skip
     checks.append(common.Check(
         f"the recipe now (training/configs/shakespeare_char.yaml) reaches {settings.target_loss} on at least "
@@ -312,7 +318,7 @@ def write(session, settings, demo, demo_runs, demo_tokens, wide, wide_runs, wide
     for key in wide_runs:
         if key != "before":
             checks.append(common.Check(
-                f"at 6 x 384, {wide_runs[key].name} reaches the GPU recipe's final loss ({wide_target:.3f}) on fewer "
+                f"at 6 x 384, {wide_runs[key].name} reaches the old GPU recipe's final loss ({wide_target:.3f}) on fewer "
                 "tokens than the GPU recipe before (beyond the seed-to-seed spread)",
                 fewer_tokens(wide_tokens, key),
                 f"{tokens_text(wide_tokens[key])} vs {tokens_text(wide_tokens['before'])} tokens "
@@ -334,7 +340,7 @@ Shakespeare's last 10%); tokens to {settings.target_loss}: linear between the tw
 *6 x 384*: nanoGPT's GPU shape with the GPU recipe's AdamW settings and dropout 0.2, {settings.wide_steps} steps of
 {settings.wide_batch_size} windows of {settings.block_size} (a CPU's budget, not the GPU recipe's batch of 64 x 256),
 {settings.wide_steps // 10} warm-up steps; validation every {settings.wide_eval_every} steps on every
-{settings.wide_eval_stride}th block ({len(wide_corpus.eval_blocks)} blocks); the target is the old recipe's mean
+{settings.wide_eval_stride}th block ({len(wide_corpus.eval_blocks)} blocks); the target is the old recipe's highest
 final loss. Every setting: {len(session.seeds)} seeds (weights and data order)."""
     results = f"""{curves_png}
 
@@ -342,7 +348,7 @@ make demo's shape, tokens to {settings.target_loss}:
 
 {table(demo, demo_runs, demo_tokens, settings.target_loss)}
 
-6 x 384, tokens to the GPU recipe's final loss before:
+6 x 384, tokens to the old GPU recipe's highest final loss (every seed of it reaches it):
 
 {table(wide, wide_runs, wide_tokens, wide_target)}"""
     discussion = """**Why tokens.** Tokens to a loss do not depend on the machine or its load, so a CPU's count carries to a
