@@ -450,6 +450,42 @@ def explore_rows(report: dict) -> list[Line]:
     )
 
 
+def sample_efficiency_rows(report: dict) -> list[Line]:
+    """Issue 46's grid: each setting's tokens to the target (mean ± standard deviation over the seeds), how many times
+    fewer than the recipe before, its final validation loss; make demo's shape, then 6 x 384."""
+    grid, rows = report["grid"], []
+    for shape, label, target in (("demo", "4 x 128 (`make demo`)", grid["target_loss"]),
+                                 ("wide", "6 x 384", grid["wide_target_loss"])):  # fmt: skip
+        for setting in grid[shape].values():
+            tokens = (f"{setting['tokens_mean'] / 1e3:,.0f}k ± {setting['tokens_std'] / 1e3:,.0f}k"
+                      if setting["tokens_mean"] is not None else "not reached by every seed")  # fmt: skip
+            fewer = times(setting["fewer_tokens_x"]) if setting["fewer_tokens_x"] is not None else "-"
+            rows.append(([label, setting["name"], f"{setting['steps']} x {setting['batch_size']}", f"{target:.3f}",
+                          tokens, fewer, f"{setting['final_eval_loss_mean']:.3f} ± {setting['final_eval_loss_std']:.3f}"],
+                         "sample_efficiency.json"))  # fmt: skip
+    return markdown_table(
+        ["shape", "setting", "steps x batch", "target", "tokens to the target", "fewer than before",
+         "final validation loss"], "lllrrrr", rows,
+    )  # fmt: skip
+
+
+def sample_efficiency_recipe_rows(report: dict) -> list[Line]:
+    """make demo's recipe before issue 46 and now, alternating: the loss over every validation window, the whole
+    command's and the loop's median time, and now / before (the median of the pairs' ratios)."""
+    recipes = report["recipes"]
+    rows = []
+    for name, label in (("before", "before (AdamW, SwiGLU, cosine)"), ("now", "now (`shakespeare_char.yaml`)")):
+        r = recipes[name]
+        ratio_command = f" ({times(recipes['ratio_command'])})" if name == "now" else ""
+        ratio_loop = f" ({times(recipes['ratio_loop'])})" if name == "now" else ""
+        rows.append(([label, str(r["steps"]), f"{r['command_s']:.1f} s{ratio_command}", f"{r['loop_s']:.1f} s{ratio_loop}",
+                      f"{r['val_loss_every_window']:.3f}"], "sample_efficiency.json"))  # fmt: skip
+    verdict = "met" if recipes["meets_goal"] else "not met"
+    rows.append(([f"goal: validation <= {recipes['goal_loss']} in no more time", "", "", "", verdict],
+                 "sample_efficiency.json"))  # fmt: skip
+    return markdown_table(["recipe", "steps", "whole command", "training loop", "validation loss"], "lrrrr", rows)
+
+
 def short_measured(name: str, data: dict) -> str:
     """E.g. "[Intel Xeon, 2026-12-03](link to the file)": the headline's column; the rest is on the performance page."""
     provenance = data["provenance"]
@@ -582,6 +618,8 @@ TABLES = [
         data_pipeline_rows,
     ),
     Table("signal-exit", ("signal_exit.json",), None, signal_exit_rows),
+    Table("sample-efficiency", ("sample_efficiency.json",), None, sample_efficiency_rows),
+    Table("sample-efficiency-recipe", ("sample_efficiency.json",), None, sample_efficiency_recipe_rows),
 ]
 PAGES = {
     "README.md": ["headline"],

@@ -95,6 +95,10 @@ class DecoderLabConfig(PreTrainedConfig):
     """Biases on ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj``."""
     attention_dropout: float = 0.0
     """Dropout on the attention weights, in training."""
+    value_residual: bool = False
+    """Every layer after the first mixes the first layer's values into its own, v <- v + l (v_1 - v), with l a learned
+    scalar per layer, 0.5 at first (Zhou et al. 2024; modded-nanogpt, record of 2024-11-06): later layers keep access
+    to the tokens' own values."""
     # positions
     position_embedding_type: PositionEmbeddingType = "rope"
     """``"rope"`` rotary (Su et al. 2021), ``"sinusoidal"`` (Vaswani et al. 2017), ``"learned"`` absolute (GPT-2) or
@@ -141,6 +145,10 @@ class DecoderLabConfig(PreTrainedConfig):
     """GPT-2's initialisation of the residual output projections (``o_proj``, ``down_proj``): std / sqrt(2 x layers).
     Drawn on the projections themselves, so it holds on every transformers release; saved checkpoints are not
     affected."""
+    zero_residual_init: bool = False
+    """Start the residual output projections (``o_proj``, ``down_proj``) at zero, so every block begins as the
+    identity and its output grows from there (modded-nanogpt, record of 2024-10-14); their biases start at zero too.
+    Only the start of training changes, and it wins over ``scale_residual_init`` (a scaled zero is zero)."""
     embedding_initializer_range: float | None = None
     """Standard deviation of the token embeddings' initialisation (``None``: ``initializer_range``; a tied ``lm_head``
     is the same matrix). Only the start of training changes: every other weight draws what it would have drawn."""
@@ -162,6 +170,10 @@ class DecoderLabConfig(PreTrainedConfig):
     mup_output_multiplier: float = 1.0
     """muP's output multiplier alpha_out, tuned at the base width like a learning rate: the logits are multiplied by
     alpha_out / m. Read only with ``parametrization="mup"``."""
+    final_logit_softcapping: float | None = None
+    """Soft-cap the logits, z -> c * tanh(z / c) with c this value, right after ``lm_head`` (Gemma 2's field: the loss
+    and generation both see the capped logits); ``None``: logits as they are. A logit can then never exceed c in
+    size, and logits well below c pass nearly unchanged (modded-nanogpt caps at 30, later 15)."""
     use_cache: bool = True
     """Return a KV cache from ``forward`` (generation uses one either way); a training-mode forward with gradients
     builds none unless passed ``use_cache=True``."""
@@ -229,6 +241,12 @@ class DecoderLabConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite standard deviation >= 0, got {value}.")
+        cap = self.final_logit_softcapping
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise ValueError(
+                f"final_logit_softcapping must be a positive number, the cap c of c * tanh(logits / c) (None: no "
+                f"cap), got {cap}."
+            )
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}.")
         if self.use_parallel_residual and self.norm_placement != "pre":
@@ -267,6 +285,14 @@ class DecoderLabConfig(PreTrainedConfig):
             raise ValueError(
                 f"mup_output_multiplier must be a finite positive number (1.0: the logits are divided by the width "
                 f"multiplier alone), got {self.mup_output_multiplier}."
+            )
+        if self.final_logit_softcapping is not None:
+            # here the cap acts on the logits after muP's factor, c * tanh(s * z / c); vLLM, which reads both fields,
+            # caps first and scales after, s * c * tanh(z / c): the same checkpoint would be another model there
+            raise ValueError(
+                f"final_logit_softcapping={self.final_logit_softcapping} with parametrization='mup' is not supported: "
+                "decoderlab caps the logits after muP's factor (logit_scale), vLLM before it, so the two would serve "
+                "different models. Use one of them: final_logit_softcapping=None, or parametrization='standard'."
             )
 
     @property

@@ -47,6 +47,7 @@ SWITCH_MEANINGS = {
     "qk_norm": "normalise each head's queries and keys before RoPE",
     "attention_bias": "biases in q/k/v/o projections",
     "attention_dropout": "dropout on attention weights (training only)",
+    "value_residual": "later layers mix the first layer's values in: v + l (v_1 - v), l learned",
     "position_embedding_type": "how positions enter: rope, sinusoidal, learned or none",
     "rope_parameters": "RoPE base and scaling",
     "norm_placement": "pre: x + f(LN(x)); post: LN(x + f(x)); sandwich: x + LN(f(LN(x)))",
@@ -66,6 +67,8 @@ SWITCH_MEANINGS = {
     "parametrization": "standard, or mup: init, rates and multipliers that keep the best learning rate across widths",
     "mup_base_width": "muP: the hidden_size its learning rate was tuned at",
     "mup_output_multiplier": "muP: the logits are multiplied by this / (hidden_size / mup_base_width)",
+    "zero_residual_init": "residual projections (o_proj, down_proj) start at zero",
+    "final_logit_softcapping": "logits capped as c * tanh(logits / c)",
     "use_cache": "keep a key/value cache while generating",
     "pad_token_id": "padding token",
     "bos_token_id": "beginning-of-sequence token",
@@ -210,6 +213,10 @@ def describe_mechanisms(config: DecoderLabConfig) -> str:
     ]
     if config.embedding_multiplier != 1.0:
         parts.append(f"token embeddings multiplied by {config.embedding_multiplier:.4g}")
+    if config.value_residual:
+        parts.append("a value residual (later layers mix in the first layer's values)")
+    if config.final_logit_softcapping is not None:
+        parts.append(f"logits soft-capped at {config.final_logit_softcapping:g}")
     return "Mechanisms: " + "; ".join(parts) + "."
 
 

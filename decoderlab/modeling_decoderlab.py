@@ -307,6 +307,32 @@ def eager_attention_forward(
     return out, weights
 
 
+class DecoderLabFirstValues(nn.Module):
+    """The value residual's first layer: hands its values to the layers after it (``values["first"]``)."""
+
+    def forward(self, v: torch.Tensor, values: dict) -> torch.Tensor:
+        values["first"] = v  # (B, T, n_kv, hs)
+        return v
+
+
+class DecoderLabValueResidual(nn.Module):
+    """The value residual of a later layer (Zhou et al. 2024): v <- v + l (v_1 - v), with l learned (0.5 at first)
+    and v_1 the first layer's values for the same tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, v: torch.Tensor, values: dict) -> torch.Tensor:
+        return torch.lerp(v, values["first"], self.weight.to(v.dtype))
+
+
+def make_value_residual(config: DecoderLabConfig, layer_idx: int) -> nn.Module | None:
+    if not config.value_residual:
+        return None
+    return DecoderLabFirstValues() if layer_idx == 0 else DecoderLabValueResidual()
+
+
 class DecoderLabAttention(nn.Module):
     """Multi-head attention with grouped-query / multi-query variants and a switchable scale.
 
@@ -342,6 +368,7 @@ class DecoderLabAttention(nn.Module):
         # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen 3): normalise each head's q and k before RoPE
         self.q_norm = make_norm(config, hs) if config.qk_norm else None
         self.k_norm = make_norm(config, hs) if config.qk_norm else None
+        self.value_residual = make_value_residual(config, layer_idx)  # None, the first layer's, or a later one's
 
     def forward(  # internal: called with `cache` only, so no argument-renaming wrapper
         self,
@@ -349,12 +376,15 @@ class DecoderLabAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        values: dict | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, -1, self.head_dim)  # (B, T, nh, hs)
         k = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)  # (B, T, n_kv, hs)
         v = self.v_proj(hidden_states).view(B, T, -1, self.head_dim)  # (B, T, n_kv, hs)
+        if self.value_residual is not None:  # before the cache: it keeps each layer's mixed values
+            v = self.value_residual(v, values)
         # Per-head norm and rotation act on each head's last dimension, so they run before the heads move to
         # dimension 1 (as in Qwen 3), on contiguous memory: the same numbers, fewer strided passes
         if self.q_norm is not None:
@@ -568,6 +598,25 @@ def requested_tensor_parallel_size(kwargs: dict) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# The logits
+
+
+class LogitSoftCap(nn.Module):
+    """Final-logit soft-capping (Gemma 2, Team Gemma 2024, section 2; modded-nanogpt): z -> c * tanh(z / c). Near
+    zero it is the identity (slope 1); no logit can exceed c in size, so no single token's logit runs away."""
+
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.cap) * self.cap
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap:g}"
+
+
+# ----------------------------------------------------------------------------------------------
 # Hugging Face models
 
 
@@ -608,12 +657,16 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
         # muP (Tensor Programs V, Table 8): a hidden matrix (both sides grow with the width) draws with variance
         # std^2 / m; m = 1 in the standard parametrization
         hidden_std = std / math.sqrt(self.config.mup_width_multiplier)
-        if self.config.scale_residual_init and getattr(module, "is_residual_output", False):
+        residual = getattr(module, "is_residual_output", False)
+        if residual and (self.config.scale_residual_init or self.config.zero_residual_init):
             # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded.
             # Drawn on the projection itself: transformers skips _init_weights for modules without parameters of
             # their own, such as the attention and MLP modules (from 5.13 on for all code outside the library; 5.12
             # for remote code only)
-            init.normal_(module.weight, mean=0.0, std=hidden_std / math.sqrt(2 * self.config.num_hidden_layers))
+            scale = math.sqrt(2 * self.config.num_hidden_layers) if self.config.scale_residual_init else 1.0
+            init.normal_(module.weight, mean=0.0, std=hidden_std / scale)
+            if self.config.zero_residual_init:  # every block starts as the identity (modded-nanogpt, 2024-10-14);
+                init.zeros_(module.weight)  # drawn first, so every other tensor draws what it would without
             if module.bias is not None:
                 init.zeros_(module.bias)
             return
@@ -621,6 +674,9 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=hidden_std)
             if module.bias is not None:
                 init.zeros_(module.bias)
+            return
+        if isinstance(module, DecoderLabValueResidual):
+            init.constant_(module.weight, 0.5)  # half the layer's own values, half the first layer's
             return
         super()._init_weights(module)  # Linear (lm_head, score), Embedding, norms, and the RoPE buffers
         if isinstance(module, DecoderLabLearnedPositionalEmbedding):
@@ -739,12 +795,14 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         # RoPE: cos/sin computed once, applied to q and k in every layer
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
+        values = {}  # the value residual's: the first layer's values for the later layers (config.value_residual)
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 cache=cache,
+                values=values,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -769,6 +827,8 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
         # hidden state in forward, not drawn into lm_head: a tied head is the embedding too (and resize_token_embeddings
         # replaces the head by a plain nn.Linear)
         self.logit_scale = config.logit_scale
+        cap = config.final_logit_softcapping
+        self.logit_softcap = LogitSoftCap(cap) if cap is not None else None
         # transformers' ForCausalLMLoss, computed with fewer (tokens x vocabulary) buffers; assign another to replace it
         self.loss_function = causal_lm_loss
         self.post_init()
@@ -807,6 +867,8 @@ class DecoderLabForCausalLM(DecoderLabPreTrainedModel, DecodingStepFastPath, Gen
         if self.logit_scale != 1.0:  # muP: logits x alpha_out / m (a constant of the model: no branch on data)
             hidden_states = hidden_states * self.logit_scale
         logits = self.lm_head(hidden_states)  # (B, T, V)
+        if self.logit_softcap is not None:  # before the loss and generation, as in Gemma 2
+            logits = self.logit_softcap(logits)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

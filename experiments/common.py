@@ -34,7 +34,15 @@ from decoderlab import DecoderLabForCausalLM
 from decoderlab.modeling_decoderlab import eager_attention_forward, repeat_kv
 from training.args import Config, TrainConfig, add_flags, coerce, option
 from training.checkpointing import git_commit, hardware_description, package_versions
-from training.data import BlockBatches, Packing, block_tensor, load_text_splits, pack, prepare_data, tiny_shakespeare
+from training.data import (
+    Packing,
+    block_tensor,
+    load_text_splits,
+    pack,
+    prepare_data,
+    tiny_shakespeare,
+    training_batches,
+)
 from training.loop import NonFiniteLossError, make_accelerator, train
 from training.models import build_model
 
@@ -218,6 +226,8 @@ class Recipe:
     log_every: int = 10
     eval_every: int | None = None  # periodic evaluations on `eval_samples` blocks (the final one uses all)
     eval_samples: int = 64
+    window_sampling: str = "blocks"  # training.sampling's windows, as TrainConfig.window_sampling
+    options: dict = field(default_factory=dict)  # any other TrainConfig fields (optimizer, weight_decay, ...), last
 
 
 @dataclass
@@ -268,8 +278,7 @@ def train_model(session: Session, corpus: Corpus, spec: Spec, seed: int) -> Run:
     recipe = spec.recipe
     scheduler_kwargs = {"min_lr_rate": 0.1} if recipe.scheduler == "cosine_with_min_lr" else {}
     name = f"{spec.name}, seed {seed}"
-    cfg = dataclasses.replace(
-        corpus.cfg,
+    fields = dict(
         output_dir=str(session.work_dir / name),
         per_device_train_batch_size=recipe.batch_size,
         per_device_eval_batch_size=64,
@@ -284,10 +293,12 @@ def train_model(session: Session, corpus: Corpus, spec: Spec, seed: int) -> Run:
         max_eval_samples=recipe.eval_samples,
         checkpointing_steps=None,
         seed=seed,
+        window_sampling=recipe.window_sampling,
     )
+    cfg = dataclasses.replace(corpus.cfg, **{**fields, **recipe.options})
     model = fresh_model(corpus, spec.model_fields, seed, spec.prepare)
     accelerator = accelerator_for(session, cfg)
-    batches = BlockBatches(corpus.train_blocks, recipe.batch_size, seed=seed)
+    batches = training_batches(cfg, corpus.train_blocks, dict(seed=seed, process_index=0, num_processes=1))
     started = time.perf_counter()
     diverged_by = None
     try:

@@ -18,7 +18,8 @@ import pytest
 import torch
 import transformers
 
-from benchmarks import gpu_mfu, reference_nanogpt, shakespeare_char
+import decoderlab
+from benchmarks import gpu_mfu, reference_nanogpt, sample_efficiency, shakespeare_char
 from benchmarks.common import (
     Size,
     decoderlab_state_from_nanogpt,
@@ -466,3 +467,39 @@ def test_sampler_curves_runs_each_sampling_beside_the_reference_and_plots_them(t
     assert out.with_suffix(".png").stat().st_size > 10_000
     table = "\n".join(line.text for line in report.sampler_curves_rows(result, result))
     assert "window_sampling=shifted" in table and "nanoGPT's recipe" in table
+
+
+def test_sample_efficiency_before_flags_give_back_the_recipe_before():
+    """benchmarks.sample_efficiency times make demo's recipe before issue 46 as the recipe file plus flags: those flags
+    must turn the file into exactly the experiment's BEFORE_MODEL and BEFORE_TRAINING (AdamW, 1250 steps, ...), and
+    put every other field the file sets back to its default, whatever the file now holds."""
+    from experiments.sample_efficiency import BEFORE_MODEL, BEFORE_TRAINING
+    from training.args import TrainConfig, parse_config
+
+    recipe = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
+    before = parse_config(TrainConfig, ["--config", str(recipe), *sample_efficiency.before_flags(recipe)])
+    now = parse_config(TrainConfig, ["--config", str(recipe)])
+    assert {name: getattr(before, name) for name in BEFORE_TRAINING} == BEFORE_TRAINING
+    assert before.optimizer == "adamw" and before.muon_learning_rate == TrainConfig().muon_learning_rate
+    assert {name: before.model[name] for name in BEFORE_MODEL} == BEFORE_MODEL
+    assert set(before.model) == set(BEFORE_MODEL) | set(now.model)
+    for name in set(now.model) - set(BEFORE_MODEL):  # fields the recipe sets since, back at their defaults
+        assert before.model[name] == getattr(decoderlab.DecoderLabConfig(), name), name
+    assert (before.dataset_name, before.eval_steps, before.seed) == (now.dataset_name, now.eval_steps, now.seed)
+
+
+@pytest.mark.slow
+def test_sample_efficiency_quick_run_writes_the_grid_and_both_recipes(tmp_path):
+    """A --quick run: the experiment's grid (each setting's tokens per seed, the target, the checks) and make demo's
+    command before and now, alternating, with their ratios; the plot beside the JSON."""
+    out = tmp_path / "sample_efficiency.json"
+    sample_efficiency.main(["--quick", "--repeats", "1", "--jobs", "1", "--num_threads", "1", "--json_out", str(out),
+                            "--experiment_dir", str(tmp_path / "experiment")])  # fmt: skip
+    result = json.loads(out.read_text())
+    grid, recipes = result["grid"], result["recipes"]
+    assert grid["target_loss"] == 1.70 and {"before", "muon", "recipe"} <= set(grid["demo"])
+    assert all(len(setting["tokens"]) == len(grid["seeds"]) for setting in grid["demo"].values())
+    assert grid["checks"] and (tmp_path / "sample_efficiency.png").read_bytes().startswith(b"\x89PNG")
+    assert recipes["before"]["steps"] == recipes["now"]["steps"] == 10
+    assert recipes["ratio_loop"] == pytest.approx(recipes["now"]["loop_s"] / recipes["before"]["loop_s"], rel=1e-2)
+    assert recipes["meets_goal"] is False  # 10 steps reach nowhere near 1.60

@@ -40,6 +40,7 @@ NON_DEFAULT_FIELDS = dict(
     qk_norm=True,
     attention_bias=True,
     attention_dropout=0.1,
+    value_residual=True,
     position_embedding_type="rope",
     rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0, "partial_rotary_factor": 0.5},
     norm_placement="pre",
@@ -55,6 +56,7 @@ NON_DEFAULT_FIELDS = dict(
     tie_word_embeddings=True,
     initializer_range=0.05,
     scale_residual_init=False,
+    zero_residual_init=True,
     embedding_initializer_range=0.3,
     parametrization="mup",
     mup_base_width=48,
@@ -65,12 +67,21 @@ NON_DEFAULT_FIELDS = dict(
     eos_token_id=[2, 3],
 )
 
+MUP_FIELDS = ("parametrization", "mup_base_width", "mup_output_multiplier")
+# the fields muP does not combine with (final_logit_softcapping: vLLM would cap before muP's factor), set on the
+# standard parametrization instead
+NON_DEFAULT_STANDARD_FIELDS = {
+    **{name: value for name, value in NON_DEFAULT_FIELDS.items() if name not in MUP_FIELDS},
+    "final_logit_softcapping": 15.0,
+}
+ROUND_TRIPS = [NON_DEFAULT_FIELDS, NON_DEFAULT_STANDARD_FIELDS]
+
 
 def test_non_default_fields_cover_every_field():
     """Keeps the round-trip tests below honest: a new config field must get a non-default value there."""
     own_fields = set(DecoderLabConfig.__annotations__) - {"model_type", "keys_to_ignore_at_inference"}
     own_fields -= {name for name in own_fields if name.startswith("base_model_")}
-    assert own_fields <= set(NON_DEFAULT_FIELDS)
+    assert own_fields <= set(NON_DEFAULT_FIELDS) | set(NON_DEFAULT_STANDARD_FIELDS)
 
 
 def test_derived_defaults():
@@ -104,19 +115,21 @@ def test_configs_without_rope_have_no_rope_parameters(tmp_path, position_type):
     assert DecoderLabConfig().rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
 
 
-def test_dict_round_trip():
+@pytest.mark.parametrize("fields", ROUND_TRIPS, ids=["mup", "standard"])
+def test_dict_round_trip(fields):
     """to_dict -> from_dict gives back every field unchanged."""
-    config = DecoderLabConfig(**NON_DEFAULT_FIELDS)
+    config = DecoderLabConfig(**fields)
     again = DecoderLabConfig.from_dict(config.to_dict())
     assert again.to_dict() == config.to_dict()
-    for name, value in NON_DEFAULT_FIELDS.items():
+    for name, value in fields.items():
         assert getattr(again, name) == value or name == "rope_parameters", name
     assert again.rope_parameters["factor"] == 2.0 and again.rope_parameters["partial_rotary_factor"] == 0.5
 
 
-def test_save_load_round_trip(tmp_path):
+@pytest.mark.parametrize("fields", ROUND_TRIPS, ids=["mup", "standard"])
+def test_save_load_round_trip(tmp_path, fields):
     """save_pretrained writes model_type 'decoderlab'; AutoConfig reads the same config back."""
-    config = DecoderLabConfig(**NON_DEFAULT_FIELDS)
+    config = DecoderLabConfig(**fields)
     config.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "decoderlab"
     again = AutoConfig.from_pretrained(tmp_path)

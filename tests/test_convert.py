@@ -408,6 +408,8 @@ def test_cli_both_directions(tmp_path, randomize, ids, capsys):
 
 QWEN3_CASES = {
     "mha-untied": dict(num_key_value_heads=4),
+    # ReLU squared (Primer; the speedrun's MLP): Qwen3's MLP looks its activation up in the same ACT2FN
+    "relu2": dict(hidden_act="relu2"),
     "gqa-tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
     "mqa-headdim32-biases-gelu-theta5e5": dict(
         num_key_value_heads=1,
@@ -518,3 +520,27 @@ def test_cli_to_qwen3(tmp_path, randomize, ids, capsys):
     assert exited.value.code == 1
     assert "error: A Qwen3 checkpoint cannot express" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_logit_softcapping_and_value_residual_are_refused_by_name(family, tmp_path, randomize, capsys):
+    """final_logit_softcapping changes every logit and value_residual every later layer's values, and neither Llama
+    nor Qwen3 has either: --to llama and --to qwen3 refuse each by name (the value and why), in the command's error
+    message, and write nothing; the model without them exports. zero_residual_init, an initialisation only, exports
+    as it is."""
+    model = qk_norm_model(randomize, qk_norm=family == "qwen3", final_logit_softcapping=15.0, zero_residual_init=True,
+                          value_residual=True)  # fmt: skip
+    src = saved(model, tmp_path / "src")
+    capsys.readouterr()  # the save's progress bar
+    with pytest.raises(SystemExit) as exit_info:
+        run_command(main, ["--to", family, str(src), str(tmp_path / "dst")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    name = family.capitalize()
+    assert f"\n  final_logit_softcapping=15.0: {name} returns its logits uncapped (None)" in err
+    assert f"\n  value_residual=True: {name}'s layers use their own values only (False)" in err
+    assert not (tmp_path / "dst").exists()
+    model = qk_norm_model(randomize, qk_norm=family == "qwen3", zero_residual_init=True)
+    convert = convert_to_qwen3 if family == "qwen3" else convert_to_llama
+    convert(saved(model, tmp_path / "uncapped"), tmp_path / "dst")

@@ -17,13 +17,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import decoderlab
-from experiments import attention_scale, common, heads, norm_placement, rope_relative
+from experiments import attention_scale, common, heads, norm_placement, rope_relative, sample_efficiency
 
 EXPERIMENTS = {
     "attention_scale": attention_scale,
     "rope_relative": rope_relative,
     "norm_placement": norm_placement,
     "heads": heads,
+    "sample_efficiency": sample_efficiency,
 }
 VERDICT = re.compile(r"^\*\*Verdict: the claim (holds|partly holds|does not hold) at this scale\.\*\*$", re.M)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

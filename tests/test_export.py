@@ -134,6 +134,26 @@ def test_onnx_runtime_matches_every_other_switch(tiny_model, tmp_path):
     assert onnx_difference(model, out, [(2, 5), (1, 60)]) < 1e-4
 
 
+# modded-nanogpt's switches (issue 46): ReLU squared, the final logits capped (at 2: these weights' logits change
+# under it), the value residual; both graph exports trace them with the model
+SPEEDRUN_SWITCHES = dict(hidden_act="relu2", final_logit_softcapping=2.0, value_residual=True, qk_norm=True)
+
+
+@pytest.mark.slow
+def test_onnx_and_torch_export_carry_the_speedrun_switches(tiny_model, tmp_path):
+    """ReLU², final-logit soft-capping and the value residual export to ONNX (ONNX Runtime within 1e-4) and through
+    torch.export with a static cache (decoding within 1e-5 of eager), the capped logits below the cap."""
+    model = tiny_model(**SPEEDRUN_SWITCHES)
+    out = export_onnx(saved(model, tmp_path), tmp_path / "model.onnx")
+    assert onnx_difference(model, out, [(2, 5), (1, 40)]) < 1e-4
+    prompt = torch.randint(0, model.config.vocab_size, (1, 7))
+    reference, tokens = eager_static_decoding(model, prompt, MAX_CACHE_LEN)
+    program = export_static_cache(copy.deepcopy(model), MAX_CACHE_LEN).module()
+    got = program_decoding(lambda ids, pos: program(input_ids=ids, cache_position=pos), prompt, tokens)
+    assert largest_difference(reference, got) < 1e-5
+    assert max(logits.abs().max().item() for logits in got) < 2.0
+
+
 # ----------------------------------------------------------------------------------------------
 # torch.export with a static cache, and ExecuTorch
 

@@ -204,6 +204,9 @@ BAD_INPUT = {
     "tokenizer bigger than the vocabulary": ([], r"The tokenizer has \d+ tokens but .* embeds only vocab_size=16"),
     "tokenizer without special tokens": ([], r"has no eos_token and no pad_token .* Add --add_special_tokens"),
     "new token with an unmerged adapter": (["--add_special_tokens", "--use_lora"], r"Add --merge_lora"),
+    "Muon on LoRA adapters": (
+        ["--use_lora", "--optimizer", "muon"], r"optimizer=muon with use_lora=True: .*--optimizer adamw",
+    ),
 }
 
 

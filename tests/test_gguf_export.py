@@ -327,6 +327,9 @@ def test_a_checkpoint_that_is_not_decoderlab_is_refused(randomize, tmp_path):
             r"hidden_act='gelu_pytorch_tanh': llama.cpp's Llama MLP gates with SiLU",
         ),
         (dict(attention_bias=True, mlp_bias=True), r"attention_bias=True.*\n.*mlp_bias=True"),
+        (dict(qk_norm=True, hidden_act="relu2"), r"hidden_act='relu2': llama.cpp's Qwen3 MLP gates with SiLU"),
+        (dict(final_logit_softcapping=30.0), r"final_logit_softcapping=30.0: Llama returns its logits uncapped"),
+        (dict(qk_norm=True, value_residual=True), r"value_residual=True: Qwen3's layers use their own values only"),
         (
             dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
             r"rope_parameters\['rope_type'\]='linear'",

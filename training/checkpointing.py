@@ -38,7 +38,6 @@ from accelerate import Accelerator
 from decoderlab import DecoderLabConfig
 from decoderlab.cli import UsageError, UserError
 
-from .optim import groups_comment
 from .sharding import is_sharded, load_sharded, save_sharded, unsharded_copy
 
 logger = logging.getLogger(__name__)
@@ -305,11 +304,12 @@ def save_final_folder(
     output_dir,
     config: dict,
     info: dict,
+    config_comment: str = "",
 ) -> pathlib.Path:
     """Write a complete Hugging Face checkpoint into ``output_dir``: weights (safetensors), config, generation
-    config, tokenizer, the resolved training configuration (with the optimizer groups it gave, as comments) and
-    ``run_info.json``. ``metrics.jsonl`` is
-    already there (the loop appends to it); the model card is written last, by the script."""
+    config, tokenizer, the resolved training configuration (after ``config_comment``, YAML comment lines that a
+    reader of the file sees and ``yaml.safe_load`` skips) and ``run_info.json``. ``metrics.jsonl`` is already there
+    (the loop appends to it); the model card is written last, by the script."""
     output_dir = pathlib.Path(output_dir)
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # without DDP's and torch.compile's wrappers
     if is_sharded(unwrapped):  # --fsdp: the full weights gathered into a plain copy on the main process
@@ -323,8 +323,7 @@ def save_final_folder(
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
-        groups = groups_comment(info["optimizer_groups"]) if info.get("optimizer_groups") else ""
-        (output_dir / "training_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False) + groups)
+        (output_dir / "training_config.yaml").write_text(config_comment + yaml.safe_dump(config, sort_keys=False))
         (output_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
     accelerator.wait_for_everyone()
     return output_dir
@@ -402,7 +401,7 @@ def claim_output_dir(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | N
 # other optimizer groups, which torch would refuse with a list of tensor names
 SHAPING_FIELDS = (
     "model_name_or_path", "tokenizer_type", "tokenizer_name", "bpe_vocab_size", "add_special_tokens", "use_lora",
-    "lora_r", "lora_target_modules", "fsdp",
+    "lora_r", "lora_target_modules", "fsdp", "optimizer",
 )  # fmt: skip
 CONFIG_NAME = "training_config.yaml"
 WRAPPER_PREFIXES = ("module.", COMPILED_PREFIX)  # DDP's and torch.compile's, in the names Accelerate saves

@@ -100,6 +100,13 @@ class FinetuneConfig(TrainConfig):
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
         if self.use_lora and not self.target_modules():
             raise ValueError("lora_target_modules is empty: name modules to adapt, e.g. q_proj,v_proj.")
+        if self.use_lora and self.optimizer == "muon":
+            raise ValueError(
+                "optimizer=muon with use_lora=True: LoRA trains each adapted matrix as two thin factors (r x in, "
+                "out x r), and Muon would orthogonalise each factor's update on its own, which is not the update of "
+                "the matrix they make (and no measurement here says it trains well). Fine-tune the adapters with "
+                "--optimizer adamw, or fine-tune every weight with Muon (drop --use_lora)."
+            )
         if self.merge_lora and not self.use_lora:
             raise ValueError("merge_lora=True needs use_lora=True: there is no adapter to merge in full fine-tuning.")
         if self.push_to_hub and self.use_lora and not self.merge_lora:

@@ -20,7 +20,7 @@ from .args import TrainConfig
 from .best_model import stopped_early
 from .checkpointing import hardware_description, run_info, save_final_folder
 from .loop import TrainResult
-from .optim import groups_text
+from .optim import groups_comment, groups_text
 
 
 def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes: int) -> dict:
@@ -111,7 +111,8 @@ def finish_run(
         return
     model = result.model if final_model is None else final_model(result.model)
     info = {**run_info(accelerator), **best_model_facts(cfg, result.state), "optimizer_groups": result.optimizer_groups}
-    save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), info)
+    comment = groups_comment(result.optimizer_groups) if result.optimizer_groups else ""
+    save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), info, config_comment=comment)
     accelerator.end_training()
     if not accelerator.is_main_process:
         return

@@ -137,6 +137,20 @@ def check_fsdp_launch(cfg: TrainConfig, accelerator: Accelerator) -> None:
         )
 
 
+def check_muon_launch(cfg: TrainConfig) -> None:
+    """``--optimizer muon`` in a launch that asks for DeepSpeed: a ValueError before the Accelerator is built.
+    DeepSpeed's ZeRO keeps each process's share of the weights as flat 1-D partitions and steps the optimizer on
+    those, and torch.optim.Muon orthogonalises whole 2-D matrices (it refuses anything else). FSDP2 keeps each
+    matrix 2-D (a DTensor), which Muon runs on: see training/optim.py."""
+    if cfg.optimizer == "muon" and requested_sharding() == "DeepSpeed":
+        raise ValueError(
+            "--optimizer muon cannot run under DeepSpeed: ZeRO steps the optimizer on flat 1-D partitions of the "
+            "weights, and Muon orthogonalises whole 2-D matrices. Use --optimizer adamw with DeepSpeed, or shard "
+            "with FSDP2 (training/accelerate_configs/fsdp.yaml on GPUs, --fsdp true under torchrun on CPUs), whose "
+            "matrices stay 2-D."
+        )
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bfloat16 in hardware (AVX-512 or AMX on x86, BF16 on Arm), as oneDNN, which runs
     CPU autocast's bf16 matmuls, decides it; without, bf16 is emulated and slower than float32."""
@@ -172,6 +186,7 @@ def make_accelerator(
     cpu = cpu or not torch.accelerator.is_available()
     if cfg is not None and not allow_emulated_bf16:
         check_bf16_cpu(cfg, cpu)
+        check_muon_launch(cfg)
     if cpu and requested_sharding() == "DeepSpeed":
         # Accelerate never enables DeepSpeed with cpu=True (state.py: `... and not cpu`). Checked before building the
         # Accelerator, which would otherwise stop at "DeepSpeed is not installed" where it is not (a run started

@@ -1,10 +1,10 @@
 """Which parameter gets which optimizer rule, learning rate and weight decay: the one place that answers it.
 
 ``param_groups(model, cfg)`` is the only function from a model and a run configuration to optimizer groups; every
-group is named, so the run records the split (``recorded_groups``: ``run_info.json`` and the model card) and a test
-prints it for every preset. ``make_optimizer`` builds the optimizer over those groups and
-``make_scheduler`` transformers' schedule over the optimizer (it scales each group's own peak rate, so groups with a
-rate of their own keep their ratio to the others).
+group is named, so the run records the split (``recorded_groups``: ``run_info.json``, the model card and comment
+lines atop ``training_config.yaml``) and a test prints it for every preset. ``make_optimizer`` builds the optimizer
+over those groups (AdamW, or ``MuonWithAdamW``) and ``make_scheduler`` transformers' schedule over the optimizer (it
+scales each group's own peak rate, so groups with a rate of their own keep their ratio to the others).
 
 The rules, read top to bottom in ``param_groups``:
 
@@ -15,11 +15,21 @@ The rules, read top to bottom in ``param_groups``:
 - ``other``: everything else, without decay: norm gains, biases, learned positions, and the token embeddings when
   they have no rate of their own. Decaying an embedding row pulls rare tokens toward zero for no gain, and decaying
   norm gains or biases fights the scale they exist to set (GPT-2, nanoGPT and Llama recipes all exempt them).
+- ``muon_matrices``, with ``cfg.optimizer == "muon"`` only: the 2-D weights inside the decoder blocks (q/k/v/o and
+  the MLP's projections: the modules the model lists in ``_no_split_modules``) go to ``torch.optim.Muon`` at
+  ``cfg.muon_learning_rate`` with ``cfg.muon_weight_decay``; every other group stays AdamW's. The token embeddings
+  and the head are 2-D too, but Muon orthogonalises a matrix's update as a whole, which suits a map from one hidden
+  space to another and not a lookup table or the logits (Keller Jordan's Muon README; every modded-nanogpt record
+  keeps them on Adam). Norm gains and biases are 1-D, which Muon refuses. Under muP (Yang et al. 2022), Muon's
+  update already has a width-independent spectral norm, so its rate takes no 1/width factor.
 
 Under ``parametrization: mup`` (the model's config; m = hidden_size / mup_base_width), Tensor Programs V's Table 8:
 
 - ``matrices`` holds only the hidden matrices (the linear layers of the decoder blocks: q/k/v/o, the MLP's), at
   ``learning_rate`` x ``mup_lr_multiplier`` (1/m for Adam); its ``lr_multiplier`` records the factor.
+- ``muon_matrices`` (optimizer muon) takes no factor: Muon's orthogonalised update already has a width-independent
+  spectral norm under ``muon_adjust_lr_fn: original`` (its ``lr_multiplier`` records 1.0); ``match_rms_adamw``, whose
+  update grows with the width, is refused with muP.
 - ``output``: the other weight matrices, whose one side stays fixed as the width grows (TP5's "vector-like"
   parameters): an untied ``lm_head`` and, under LoRA, the adapters (rank fixed), at ``learning_rate`` with
   ``weight_decay``. The logits' own 1/m is the model's ``logit_scale``, in its forward pass.
@@ -37,17 +47,23 @@ from transformers import get_scheduler
 from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
 
 EMBEDDING_MODULES = (nn.Embedding, DecoderLabAbsolutePositionalEmbedding)
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon"}
 
 
 def mup_lr_multiplier(config, rule: str = "adamw") -> float:
     """The factor muP puts on the learning rate of the hidden matrices updated by optimizer ``rule``: 1/m for Adam
-    (Tensor Programs V, Table 8), m = ``config.mup_width_multiplier``; 1.0 in the standard parametrization. A rule
-    with no muP factor of its own is refused rather than given Adam's."""
+    (Tensor Programs V, Table 8), m = ``config.mup_width_multiplier``; 1.0 for Muon (its update's spectral norm does
+    not grow with the width: Yang, Simon & Bernstein 2023); 1.0 in the standard parametrization. A rule with no muP
+    factor of its own is refused rather than given Adam's."""
     if getattr(config, "parametrization", "standard") != "mup":
         return 1.0
     if rule == "adamw":
         return 1.0 / config.mup_width_multiplier
-    raise ValueError(f"parametrization='mup' has no learning-rate rule for the optimizer {rule!r}; it has one for 'adamw'.")
+    if rule == "muon":
+        return 1.0
+    raise ValueError(
+        f"parametrization='mup' has no learning-rate rule for the optimizer {rule!r}; it has one for 'adamw' and 'muon'."
+    )
 
 
 def hidden_matrices(model: nn.Module) -> set[int]:
@@ -56,31 +72,46 @@ def hidden_matrices(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if getattr(m, "is_hidden_matrix", False)}
 
 
+def block_matrices(model: nn.Module) -> set[int]:
+    """The ids of the 2-D weights inside the decoder blocks: the modules whose class ``model._no_split_modules``
+    names (FSDP's subclass of one included), the units ``training.sharding`` shards by."""
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if any(c.__name__ in units for c in type(m).__mro__)]
+    return {id(p) for block in blocks for p in block.parameters() if p.ndim == 2}
+
+
 def param_groups(model: nn.Module, cfg) -> list[dict]:
-    """Named optimizer groups (``name``, ``params``, ``lr``, ``weight_decay``; under muP ``lr_multiplier`` too)
-    covering every trainable parameter of ``model`` exactly once, by the rules of this module's docstring; groups
-    left empty are dropped."""
+    """Named optimizer groups (``name``, ``params``, ``lr``, ``weight_decay``, ``use_muon``; under muP
+    ``lr_multiplier`` too) covering every trainable parameter of ``model`` exactly once, by the rules of this
+    module's docstring; groups left empty are dropped."""
     config = getattr(model, "config", None)
     mup = getattr(config, "parametrization", "standard") == "mup"
     embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_MODULES) for p in m.parameters()}
     own_rate = set()
     if cfg.embedding_learning_rate is not None:
         own_rate = {id(p) for p in model.get_input_embeddings().parameters()}
+    muon = block_matrices(model) if cfg.optimizer == "muon" else set()
     hidden = hidden_matrices(model) if mup else set()
-    multiplier = mup_lr_multiplier(config)
+    adamw_factor, muon_factor = mup_lr_multiplier(config, "adamw"), mup_lr_multiplier(config, "muon")
     groups = {
-        "matrices": {"params": [], "lr": cfg.learning_rate * multiplier, "weight_decay": cfg.weight_decay},
+        "matrices": {"params": [], "lr": cfg.learning_rate * adamw_factor, "weight_decay": cfg.weight_decay},
         "other": {"params": [], "lr": cfg.learning_rate, "weight_decay": 0.0},
         "embeddings": {"params": [], "lr": cfg.embedding_learning_rate, "weight_decay": 0.0},
+        "muon_matrices": {"params": [], "lr": cfg.muon_learning_rate * muon_factor,
+                          "weight_decay": cfg.muon_weight_decay},  # fmt: skip
         "output": {"params": [], "lr": cfg.learning_rate, "weight_decay": cfg.weight_decay},  # muP only
     }  # in this order: a checkpoint's optimizer state lists its groups by position
+    for group_name, group in groups.items():
+        group["use_muon"] = group_name == "muon_matrices"
     if mup:
-        groups["matrices"]["lr_multiplier"] = multiplier
+        groups["matrices"]["lr_multiplier"], groups["muon_matrices"]["lr_multiplier"] = adamw_factor, muon_factor
     for param in model.parameters():  # each tensor once, a tied one included
         if not param.requires_grad:
             continue
         if id(param) in own_rate:
             name = "embeddings"
+        elif id(param) in muon:
+            name = "muon_matrices"
         elif param.ndim >= 2 and id(param) not in embedding_params:
             name = "output" if mup and id(param) not in hidden else "matrices"
         else:
@@ -104,51 +135,133 @@ def describe_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
 
 
 def recorded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The optimizer's groups as a run records them (``run_info.json``, the model card): name, peak rate, weight
-    decay and the parameters and tensors each holds; ``describe_groups`` without the tensors' names."""
+    """The optimizer's groups as a run records them (``run_info.json``, the model card, ``training_config.yaml``'s
+    comments): name, optimizer, peak rate (and muP's factor in it), weight decay and the parameters and tensors each
+    holds; ``describe_groups`` without the tensors' names."""
     groups = [{**group, "lr": group.get("initial_lr", group["lr"])} for group in optimizer.param_groups]
     keep = ("name", "lr", "weight_decay", "parameters", "lr_multiplier")
     return [
-        {key: group[key] for key in keep if key in group} | {"tensors": len(group["tensors"])}
+        {key: group[key] for key in keep if key in group}
+        | {"optimizer": "muon" if group.get("use_muon") else "adamw", "tensors": len(group["tensors"])}
         for group in describe_groups(model, groups)
     ]
 
 
-def group_text(group: dict) -> str:
-    """One ``recorded_groups`` entry in words: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters`` (under muP the
-    hidden matrices' factor too: ``matrices: lr 0.0005 (x 0.1667, muP), ...``)."""
+def group_text(group: dict, optimizer: bool = False) -> str:
+    """One ``recorded_groups`` entry in words: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters``; with
+    ``optimizer``, its optimizer after the name (``muon_matrices (Muon): ...``); under muP the hidden matrices' factor
+    (``matrices: lr 0.0005 (x 0.1667, muP), ...``)."""
+    label = f" ({OPTIMIZER_NAMES[group.get('optimizer', 'adamw')]})" if optimizer else ""
     factor = f" (x {group['lr_multiplier']:.4g}, muP)" if "lr_multiplier" in group else ""
-    return f"{group['name']}: lr {group['lr']:g}{factor}, wd {group['weight_decay']:g}, {group['parameters']:,} parameters"
-
-
-def groups_text(recorded: list[dict]) -> str:
-    """``recorded_groups`` in one line, for the card: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters; ...``."""
-    return "; ".join(map(group_text, recorded))
-
-
-def groups_comment(recorded: list[dict]) -> str:
-    """``recorded_groups`` as YAML comment lines, for the end of ``training_config.yaml``: the rates the settings
-    above gave each group, for a reader (a comment: reading the file back as a TrainConfig is unchanged)."""
-    lines = ["The optimizer groups these settings gave (training/optim.py; run_info.json has them as data):"]
-    lines += [f"  {group_text(group)}" for group in recorded]
-    return "".join(f"# {line}\n" for line in lines)
-
-
-def make_optimizer(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; the fused kernel where torch has one (CPU and CUDA): one call updates every
-    tensor, instead of a Python loop over them (about 4x faster for the nano model on CPU)."""
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
-    return torch.optim.AdamW(
-        param_groups(model, cfg),
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_epsilon,
-        fused=fused or None,
+    return (
+        f"{group['name']}{label}: lr {group['lr']:g}{factor}, wd {group['weight_decay']:g}, "
+        f"{group['parameters']:,} parameters"
     )
 
 
+def groups_text(recorded: list[dict]) -> str:
+    """``recorded_groups`` in one line, for the card: ``matrices: lr 0.0026, wd 0.1, 786,432 parameters; ...``;
+    each group's optimizer in parentheses when Muon takes part (``muon_matrices (Muon): lr 0.02, ...``)."""
+    mixed = any(g.get("optimizer") == "muon" for g in recorded)
+    return "; ".join(group_text(g, optimizer=mixed) for g in recorded)
+
+
+def groups_comment(recorded: list[dict]) -> str:
+    """``recorded_groups`` as YAML comment lines, for the top of the run's ``training_config.yaml``: the split and each
+    group's optimizer and peak rate where the settings are (comments: reading the file back as a TrainConfig skips
+    them)."""
+    lines = ["Optimizer groups of this run (training/optim.py's rules; a record, not a setting):"]
+    lines += [
+        f"  {g['name']}: {OPTIMIZER_NAMES[g.get('optimizer', 'adamw')]}, {group_text(g).split(': ', 1)[1]} in "
+        f"{g['tensors']} tensor{'s' if g['tensors'] != 1 else ''}"
+        for g in recorded
+    ]
+    return "".join(f"# {line}\n" for line in lines)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for the groups marked ``use_muon``, ``torch.optim.AdamW`` for the others, as one optimizer.
+
+    One list of ``param_groups`` and one ``state``, so that everything that takes one optimizer takes this one
+    unchanged: a transformers schedule (a ``LambdaLR`` scales every group's own peak rate), ``accelerator.prepare``
+    (gradient accumulation, DDP), ``save_state`` / ``load_state`` and ``torch.distributed.checkpoint`` (one
+    ``state_dict`` in torch's format: Muon's momentum buffers beside AdamW's moments). The arithmetic is torch's: the
+    two torch optimizers inside hold the very same group dicts and the same state, and are linked to them again
+    whenever ``load_state_dict`` replaces them.
+    """
+
+    def __init__(self, groups: list[dict], muon: dict, adamw: dict):
+        self.inner = {
+            use_muon: (torch.optim.Muon if use_muon else torch.optim.AdamW)(chosen, **(muon if use_muon else adamw))
+            for use_muon in (True, False)
+            if (chosen := [group for group in groups if group["use_muon"] == use_muon])
+        }  # each fills its own defaults into its groups (betas, fused / momentum, nesterov, ...)
+        super().__init__(groups, defaults={})
+        self._link()
+
+    def _link(self) -> None:
+        for use_muon, optimizer in self.inner.items():
+            optimizer.param_groups = [group for group in self.param_groups if group["use_muon"] == use_muon]
+            optimizer.state = self.state
+
+    def __setstate__(self, state: dict) -> None:  # load_state_dict ends here with new group dicts and a new state
+        super().__setstate__(state)
+        if "inner" in self.__dict__:
+            self._link()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for optimizer in self.inner.values():
+            optimizer.step()
+        return loss
+
+
+def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+    """AdamW over ``param_groups`` (``cfg.optimizer == "adamw"``), or ``MuonWithAdamW`` (``"muon"``); AdamW takes the
+    fused kernel where torch has one (CPU and CUDA): one call updates every tensor, instead of a Python loop over
+    them (about 4x faster for the nano model on CPU)."""
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
+    adamw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=fused or None)
+    groups = param_groups(model, cfg)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **adamw)
+    config = getattr(model, "config", None)
+    if getattr(config, "parametrization", "standard") == "mup" and cfg.muon_adjust_lr_fn != "original":
+        raise ValueError(
+            f"muon_adjust_lr_fn={cfg.muon_adjust_lr_fn!r} with a muP model: that rule scales Muon's update with "
+            "sqrt(max(out, in)), which grows with the width, so the rate tuned at mup_base_width would not carry. "
+            "Use muon_adjust_lr_fn original (muP's rule for Muon: no width factor)."
+        )
+    muon = dict(
+        lr=cfg.muon_learning_rate,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.muon_ns_steps,
+        adjust_lr_fn=cfg.muon_adjust_lr_fn,
+    )
+    return MuonWithAdamW(groups, muon=muon, adamw=adamw)
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg, num_training_steps: int):
-    """transformers' scheduler ``cfg.lr_scheduler_type``; stepped once per optimizer step."""
+    """transformers' scheduler ``cfg.lr_scheduler_type``; stepped once per optimizer step.
+
+    ``warmup_stable_decay`` (transformers' ``get_wsd_schedule``) takes its decay as a number of steps in
+    ``lr_scheduler_kwargs`` (``num_decay_steps``, with ``decay_type`` and ``min_lr_ratio``: its defaults are a cosine
+    decay to 0); warm-up and decay must fit in the run, or the stable phase would have a negative length."""
+    decay = (cfg.lr_scheduler_kwargs or {}).get("num_decay_steps")
+    stable = (cfg.lr_scheduler_kwargs or {}).get("num_stable_steps")
+    if cfg.lr_scheduler_type == "warmup_stable_decay" and isinstance(decay, int) and stable is None:
+        if cfg.num_warmup_steps + decay > num_training_steps:
+            raise ValueError(
+                f"lr_scheduler_type=warmup_stable_decay: num_warmup_steps={cfg.num_warmup_steps} plus "
+                f"lr_scheduler_kwargs num_decay_steps={decay} exceed the run's {num_training_steps} steps. Shorten "
+                "the warm-up or the decay (e.g. num_decay_steps of 40% of the steps, modded-nanogpt's cooldown)."
+            )
     try:
         return get_scheduler(
             cfg.lr_scheduler_type,

@@ -185,6 +185,11 @@ def llama_shaped_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, 
             config.attention_scale is not None and not math.isclose(config.attention_scale, config.head_dim**-0.5),
             f"{family} scales attention by 1/sqrt(head_dim) = {config.head_dim**-0.5:.6g} (None)",
         ),
+        "final_logit_softcapping": (
+            config.final_logit_softcapping is not None,
+            f"{family} returns its logits uncapped (None); Gemma 2 caps them, with another block",
+        ),
+        "value_residual": (config.value_residual, f"{family}'s layers use their own values only (False)"),
     }
 
 

@@ -4,8 +4,8 @@
     python tests/version_matrix/roundtrip.py check DIR [DIR ...] [--resave-to OUT] [--json FILE]
 
 ``save`` builds one tiny model per position type x block layout x attention type (4 x 4 x 3), plus one per RoPE
-scaling type (``ROPE_SCALINGS``) and two under muP (``MUP_LAYOUTS``: the logits' and attention's multipliers), its
-weights
+scaling type (``ROPE_SCALINGS``), two under muP (``MUP_LAYOUTS``: the logits' and attention's multipliers) and per
+set of the speedrun's switches (``SPEEDRUN``), its weights
 re-drawn so logits are O(1) (the default init makes them so small that a 1e-5 tolerance would hide bugs), and
 writes each with ``save_pretrained`` beside ``reference.pt``: fp32 logits of a fixed batch and of a left-padded
 one (with RoPE also of a sequence longer than max_position_embeddings, and of the batch again after it), and
@@ -70,6 +70,14 @@ ROPE_SCALINGS = {
 # parametrization "mup" (issue 47) on a Llama layout (untied head) and a GPT-2 one (tied): m = 32 / 16 = 2
 MUP = dict(parametrization="mup", mup_base_width=16, mup_output_multiplier=1.5)
 MUP_LAYOUTS = ("rope_pre_gqa", "learned_pre_mha")
+# modded-nanogpt's switches (issue 46): ReLU squared in the gated and the plain MLP, the final logits soft-capped (at
+# 2, so that the cap changes the O(1) logits of the re-drawn weights), the residual projections zero-initialised, the
+# value residual
+SPEEDRUN = {
+    "speedrun": dict(hidden_act="relu2", final_logit_softcapping=2.0, zero_residual_init=True, qk_norm=True,
+                     value_residual=True),
+    "speedrunplain": dict(hidden_act="relu2", mlp_type="plain", final_logit_softcapping=2.0),
+}
 SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 PAD = 0
 NEW_TOKENS = 6
@@ -107,6 +115,8 @@ def matrix() -> dict[str, dict]:
         configs[f"rope{kind}_pre_gqa"] = fields
     for name in MUP_LAYOUTS:  # muP's multipliers (logits x 1.5 / 2, attention 1/head_dim), the head untied and tied
         configs[f"{name.split('_')[0]}mup_{name.split('_', 1)[1]}"] = dict(configs[name], **MUP)
+    for name, mechanisms in SPEEDRUN.items():  # the speedrun's switches, on the pre-norm Llama layouts
+        configs[f"rope{name}_pre_gqa"] = dict(configs["rope_pre_gqa"], **mechanisms)
     return configs
 
 
