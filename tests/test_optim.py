@@ -15,12 +15,14 @@ from decoderlab import DecoderLabConfig
 from decoderlab.configuration_decoderlab import PRESETS
 from training.args import TrainConfig
 from training.optim import (
+    BatchedMuon,
     describe_groups,
     groups_comment,
     groups_text,
     make_optimizer,
     make_scheduler,
     mup_lr_multiplier,
+    newton_schulz_dtype,
     param_groups,
     recorded_groups,
 )
@@ -121,11 +123,12 @@ def test_embedding_learning_rate_is_a_group_of_its_own_that_follows_the_schedule
 
 
 def test_muon_with_adamw_is_torch_muon_and_torch_adamw(tiny_config):
-    """optimizer muon: MuonWithAdamW steps its Muon group exactly as torch.optim.Muon does and its AdamW groups
-    exactly as torch.optim.AdamW does (the same tensors updated by the two torch optimizers side by side), through
-    a schedule that scales every group's rate; one state_dict holds both states, and loading it continues exactly."""
+    """optimizer muon: MuonWithAdamW steps its Muon group exactly as torch.optim.Muon does (its batched products in
+    bfloat16, torch's dtype, give torch's numbers bit for bit) and its AdamW groups exactly as torch.optim.AdamW does
+    (the same tensors updated by the two torch optimizers side by side), through a schedule that scales every group's
+    rate; one state_dict holds both states, and loading it continues exactly."""
     cfg = TrainConfig(optimizer="muon", learning_rate=2e-3, muon_learning_rate=0.03, muon_weight_decay=0.01,
-                      muon_momentum=0.9, num_warmup_steps=2, max_train_steps=8)  # fmt: skip
+                      muon_momentum=0.9, num_warmup_steps=2, max_train_steps=8, muon_ns_dtype="bfloat16")  # fmt: skip
     torch.manual_seed(0)
     model = decoderlab.DecoderLabForCausalLM(tiny_config())
     twin = copy.deepcopy(model)
@@ -168,6 +171,91 @@ def test_muon_with_adamw_is_torch_muon_and_torch_adamw(tiny_config):
     step(model, [restored], [restored_scheduler])
     for a, b in zip(model.parameters(), after):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+MUON_SHAPES = [(24, 24)] * 3 + [(40, 24)] * 2 + [(24, 40)] * 2 + [(7, 5)]  # square, tall, wide, one alone
+
+
+def muon_twins(count: int = 3) -> list[list[torch.nn.Parameter]]:
+    torch.manual_seed(0)
+    weights = [0.1 * torch.randn(shape) for shape in MUON_SHAPES]
+    return [[torch.nn.Parameter(w.clone()) for w in weights] for _ in range(count)]
+
+
+def feed(optimizers_params, steps: int = 4):
+    """``steps`` steps of every (optimizer, params) pair on the same random gradients."""
+    for _ in range(steps):
+        grads = [torch.randn(shape) for shape in MUON_SHAPES]
+        for optimizer, params in optimizers_params:
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+            optimizer.step()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_batched_muon_in_bfloat16_is_torch_muon_bit_for_bit(nesterov, adjust_lr_fn):
+    """BatchedMuon orthogonalises every matrix of one shape in one batched product; in bfloat16 (torch's dtype) its
+    parameters and momentum buffers equal torch.optim.Muon's exactly, for square, tall and wide matrices, with and
+    without Nesterov, weight decay and either per-shape rate."""
+    ours, theirs = muon_twins(2)
+    settings = dict(lr=0.02, weight_decay=0.05, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    batched, reference = BatchedMuon(ours, ns_dtype=torch.bfloat16, **settings), torch.optim.Muon(theirs, **settings)
+    feed([(batched, ours), (reference, theirs)])
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(batched.state[a]["momentum_buffer"], reference.state[b]["momentum_buffer"],
+                                   rtol=0, atol=0)  # fmt: skip
+
+
+def reference_muon_step(params, grads, buffers, lr=0.02, momentum=0.95, weight_decay=0.05, coefficients=(3.4445,
+                        -4.7750, 2.0315), steps=5):  # fmt: skip
+    """Muon in float64, one matrix at a time, written from torch.optim.Muon's docstring: B <- mu B + (1 - mu) G,
+    Nesterov's G + mu (B - G), Newton-Schulz on the smaller side, decay, then the rate x sqrt(max(1, out/in))."""
+    a, b, c = coefficients
+    for p, g, buf in zip(params, grads, buffers):
+        buf.mul_(momentum).add_(g, alpha=1 - momentum)
+        x = g + momentum * (buf - g)
+        x = x.T if x.shape[0] > x.shape[1] else x
+        x = x / x.norm()
+        for _ in range(steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        x = x.T if g.shape[0] > g.shape[1] else x
+        p.mul_(1 - lr * weight_decay).sub_(x, alpha=lr * max(1.0, p.shape[0] / p.shape[1]) ** 0.5)
+
+
+def test_batched_muon_in_float32_is_muons_arithmetic():
+    """In float32 (what muon_ns_dtype auto takes on a CPU without bfloat16 instructions), BatchedMuon follows the
+    algorithm computed in float64, one matrix at a time, to float32 rounding (5e-6 after 4 steps of rate 0.02),
+    closer than torch's bfloat16 products come (their rounding is about 2e-3 of each update)."""
+    (ours,) = muon_twins(1)
+    batched = BatchedMuon(ours, ns_dtype=torch.float32, lr=0.02, weight_decay=0.05)
+    exact = [p.detach().double().clone() for p in ours]
+    buffers = [torch.zeros_like(p) for p in exact]
+    for _ in range(4):
+        grads = [torch.randn(shape) for shape in MUON_SHAPES]
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        batched.step()
+        reference_muon_step(exact, [g.double() for g in grads], buffers)
+    for a, b in zip(ours, exact):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=5e-6)
+
+
+def test_newton_schulz_dtype_auto_follows_the_hardware():
+    """muon_ns_dtype auto: bfloat16 on an accelerator and on a CPU that computes bfloat16 in hardware (oneDNN's
+    answer, as for --mixed_precision bf16), float32 on any other CPU; a dtype given is used as given, and recorded."""
+    from training.loop import cpu_has_bf16
+
+    assert newton_schulz_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert newton_schulz_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    assert newton_schulz_dtype("float32", torch.device("cuda")) == torch.float32
+    model = decoderlab.DecoderLabForCausalLM(DecoderLabConfig.from_preset("llama", vocab_size=50, hidden_size=32,
+                                             num_hidden_layers=1, num_attention_heads=4))  # fmt: skip
+    optimizer = make_optimizer(model, TrainConfig(optimizer="muon", muon_ns_dtype="float32"))
+    recorded = {g["name"]: g for g in recorded_groups(model, optimizer)}
+    assert recorded["muon_matrices"]["newton_schulz"] == "float32" and "newton_schulz" not in recorded["other"]
 
 
 def test_warmup_stable_decay_is_transformers_schedule(tiny_config):

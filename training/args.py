@@ -37,6 +37,7 @@ TOKENIZER_TYPES = Literal["char", "bpe", "pretrained"]
 MIXED_PRECISION = Literal["no", "bf16", "fp16"]
 TOKEN_DTYPES = Literal["auto", "uint16", "uint32"]
 OPTIMIZERS = Literal["adamw", "muon"]  # training.optim builds each; muon: Muon for the blocks' matrices, AdamW for the rest
+MUON_NS_DTYPES = Literal["auto", "bfloat16", "float32"]  # training.optim.newton_schulz_dtype resolves auto
 MUON_LR_ADJUSTMENTS = Literal["original", "match_rms_adamw"]  # torch.optim.Muon's adjust_lr_fn
 WINDOW_SAMPLINGS = Literal["blocks", "random", "shifted", "permutation"]  # training.sampling describes each
 DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv")
@@ -161,6 +162,11 @@ class TrainConfig(Config):
         "match_rms_adamw: lr x 0.2 x sqrt(max(out, in)) (Moonlight's; takes AdamW-sized rates)",
     )
     muon_ns_steps: int = option(5, "optimizer muon: Newton-Schulz iterations that orthogonalise each update")
+    muon_ns_dtype: MUON_NS_DTYPES = option(
+        "auto",
+        "optimizer muon: the dtype of the Newton-Schulz products; auto: bfloat16 on GPUs and on CPUs that compute it "
+        "in hardware (torch's and the speedrun's), float32 on other CPUs (bfloat16 in software is about 30x slower)",
+    )
     lr_scheduler_type: str = option("cosine_with_min_lr", "transformers scheduler name (SchedulerType)")
     lr_scheduler_kwargs: dict = option({"min_lr_rate": 0.1}, "extra scheduler arguments, e.g. min_lr_rate")
     num_warmup_steps: int = option(100, "linear warm-up steps")
