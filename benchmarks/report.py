@@ -486,6 +486,24 @@ def sample_efficiency_recipe_rows(report: dict) -> list[Line]:
     return markdown_table(["recipe", "steps", "whole command", "training loop", "validation loss"], "lrrrr", rows)
 
 
+def muon_step_rows(*reports: dict) -> list[Line]:
+    """Muon's step per run of benchmarks/investigations/muon_step.py (this CPU as it is, then with its extensions
+    hidden): torch.optim.Muon against BatchedMuon in bfloat16 and float32, fused AdamW and the model's own step for
+    scale, and what ``muon_ns_dtype: auto`` takes there."""
+    rows = []
+    for name, report in zip(MUON_STEP, reports):
+        kernels = report["provenance"]["cpu_kernels"]["dispatch"]
+        for r in report["rows"]:
+            ms = r["step_ms"]
+            cells = [kernels, r["model"], number(ms["torch.optim.Muon"]), number(ms["BatchedMuon bfloat16"]),
+                     number(ms["BatchedMuon float32"]), number(ms["AdamW (fused)"]),
+                     number(ms["model forward + backward"]), report["auto_dtype"]]  # fmt: skip
+            rows.append((cells, name))
+    header = ["kernels", "model", "`torch.optim.Muon`, ms", "batched bf16, ms", "batched fp32, ms", "AdamW, ms",
+              "forward + backward, ms", "auto takes"]  # fmt: skip
+    return markdown_table(header, "llrrrrrl", rows)
+
+
 def short_measured(name: str, data: dict) -> str:
     """E.g. "[Intel Xeon, 2026-12-03](link to the file)": the headline's column; the rest is on the performance page."""
     provenance = data["provenance"]
@@ -566,6 +584,7 @@ MAIN_JOB = Table(
     "main-job-recipe.md",
     main_job_rows,
 )
+MUON_STEP = ("muon_step.json", "muon_step-avx2.json")
 CPU_BF16 = Table(
     "cpu-bf16", ("cpu_mixed_precision.json", "cpu_mixed_precision-amd-epyc.json"), "cpu-mixed-precision.md", bf16_rows
 )
@@ -620,6 +639,7 @@ TABLES = [
     Table("signal-exit", ("signal_exit.json",), None, signal_exit_rows),
     Table("sample-efficiency", ("sample_efficiency.json",), None, sample_efficiency_rows),
     Table("sample-efficiency-recipe", ("sample_efficiency.json",), None, sample_efficiency_recipe_rows),
+    Table("muon-step", MUON_STEP, None, muon_step_rows),
 ]
 PAGES = {
     "README.md": ["headline"],

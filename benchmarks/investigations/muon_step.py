@@ -2,7 +2,8 @@
 
     python -m benchmarks.investigations.muon_step                   # about a minute on 2 cores
     python -m benchmarks.investigations.muon_step --json_out benchmarks/results/muon_step.json
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m benchmarks.investigations.muon_step   # as without AVX-512
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m benchmarks.investigations.muon_step --demo_only \
+        --json_out benchmarks/results/muon_step-avx2.json   # as a CPU without AVX-512 runs it (bfloat16 emulated)
 
 For the Muon group of two recipes' models (make demo's 4 x 128 and the GPU recipe's 6 x 384, the shapes their blocks
 hold), this times one step of: torch.optim.Muon (one matrix at a time, Newton-Schulz products in bfloat16),
@@ -58,11 +59,14 @@ def workloads(recipe: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = timing_parser(__doc__, repeats=5).parse_args(argv)
+    parser = timing_parser(__doc__, repeats=5)
+    parser.add_argument("--demo_only", action="store_true",
+                        help="make demo's model only (with bfloat16 emulated, 6 x 384's bfloat16 steps take minutes)")  # fmt: skip
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(machine_line(args.threads))
     load_before, rows = load_average(), []
-    for name, recipe in RECIPES:
+    for name, recipe in RECIPES[:1] if args.demo_only else RECIPES:
         work, count = workloads(recipe)
         times = interleaved_medians(work, repeats=args.repeats, warmup=1)
         ms = {key: round(value["median_s"] * 1e3, 3) for key, value in times.items()}
