@@ -639,7 +639,7 @@ TABLES = [
     Table("signal-exit", ("signal_exit.json",), None, signal_exit_rows),
     Table("sample-efficiency", ("sample_efficiency.json",), None, sample_efficiency_rows),
     Table("sample-efficiency-recipe", ("sample_efficiency.json",), None, sample_efficiency_recipe_rows),
-    Table("muon-step", MUON_STEP, None, muon_step_rows),
+    Table("muon-step", MUON_STEP, "muon-step.md", muon_step_rows),
 ]
 PAGES = {
     "README.md": ["headline"],

@@ -148,8 +148,10 @@ def test_the_job_script_saves_before_the_limit_requeues_itself_and_resumes_exact
     equals an uninterrupted two-process torchrun run of the same command (every metrics record, the logits)."""
     text_files = text_files_in(tmp_path, 60_000)
     out, reference = tmp_path / "out", tmp_path / "reference"
-    # long enough that the run is still training when the signal arrives (about 100 steps/s on an idle machine)
-    train = run_argv(text_files, out, "--max_train_steps", "1000", "--checkpointing_steps", "none")
+    # long enough that the run is still training when the signal arrives (about 100 steps/s on an idle machine); no
+    # evaluations, so the recipe's best-model choice is off too
+    train = run_argv(text_files, out, "--max_train_steps", "1000", "--checkpointing_steps", "none",
+                     "--load_best_model_at_end", "false")  # fmt: skip
     done = subprocess.run(
         [*TORCHRUN, "training/pretrain.py", "--config", CONFIG, *train, "--output_dir", str(reference),
          "--resume_from_checkpoint", "latest", "--checkpointing_minutes", "60"],

@@ -228,9 +228,9 @@ class BatchedMuon(torch.optim.Muon):
     the matrices of one shape done as one batched product (``newton_schulz``), in ``ns_dtype``.
 
     Why: torch's Muon orthogonalises one matrix at a time in bfloat16. For make demo's model (28 matrices of 128 x 128
-    to 256) that is 18 ms a step on 2 cores of an AMD EPYC with bfloat16 instructions, a third of the step; batched,
-    11 ms in bfloat16 and 16 ms in float32. On a CPU without bfloat16 instructions bfloat16 runs in software: 470 ms
-    a step, ten times the model's own step, where batched float32 takes 16 ms (``python -m
+    to 256) that is 20 ms a step on 2 cores of an AMD EPYC with bfloat16 instructions, 40% of the model's forward and
+    backward; batched, 10 ms in bfloat16 and 15 ms in float32. On a CPU without bfloat16 instructions bfloat16 runs in
+    software: 750 ms a step, ten times the model's own, where batched float32 takes 23 ms (``python -m
     benchmarks.investigations.muon_step`` times each way on the machine it runs on). Sharded (DTensor) parameters take
     torch's own step, which DTensor runs on the whole matrices."""
 
