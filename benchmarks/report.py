@@ -504,6 +504,22 @@ def muon_step_rows(*reports: dict) -> list[Line]:
     return markdown_table(header, "llrrrrrl", rows)
 
 
+def few_rows_decode_rows(*reports: dict) -> list[Line]:
+    """Decoding per run of benchmarks/investigations/few_rows_decode.py (this CPU's kernels, then held to AVX2):
+    decoderlab with the few-rows product as its timing chose, with it off, the reference, and the shapes it kept."""
+    rows = []
+    for name, report in zip(FEW_ROWS_DECODE, reports):
+        kernels = report["provenance"]["cpu_kernels"]["dispatch"]
+        for r in report["rows"]:
+            rates = list(r["tokens_per_s"].values())  # as chosen, product off, the reference
+            kept = [shape for shape, faster in r["few_rows_kept"].items() if faster]
+            cells = [kernels, f"{r['preset']} at {r['size']}, batch {r['batch_size']}", *map(number, rates),
+                     f"{rates[0] / rates[1]:.2f}", f"{len(kept)} of {len(r['few_rows_kept'])}: " + (", ".join(kept) or "none")]  # fmt: skip
+            rows.append((cells, name))
+    header = ["kernels", "model", "decoderlab, tokens/s", "product off", "reference", "chosen / off", "shapes kept"]
+    return markdown_table(header, "llrrrrl", rows)
+
+
 def short_measured(name: str, data: dict) -> str:
     """E.g. "[Intel Xeon, 2026-12-03](link to the file)": the headline's column; the rest is on the performance page."""
     provenance = data["provenance"]
@@ -585,6 +601,7 @@ MAIN_JOB = Table(
     main_job_rows,
 )
 MUON_STEP = ("muon_step.json", "muon_step-avx2.json")
+FEW_ROWS_DECODE = ("few_rows_decode.json", "few_rows_decode-avx2.json")
 CPU_BF16 = Table(
     "cpu-bf16", ("cpu_mixed_precision.json", "cpu_mixed_precision-amd-epyc.json"), "cpu-mixed-precision.md", bf16_rows
 )
@@ -610,6 +627,13 @@ TABLES = [
         "speed-vs-references.md",
         lambda r: combined_rows(r, "speed-runs3-prefill-compile.json"),
     ),
+    Table(
+        "speed-avx2",
+        ("speed-avx2-runs3.json",),
+        "speed-vs-references.md",
+        lambda r: combined_rows(r, "speed-avx2-runs3.json"),
+    ),
+    Table("few-rows-decode", FEW_ROWS_DECODE, "speed-vs-references.md", few_rows_decode_rows),
     Table(
         "speed-amd-epyc",
         ("speed-amd-epyc-cc2ad5b.json",),

@@ -503,3 +503,25 @@ def test_sample_efficiency_quick_run_writes_the_grid_and_both_recipes(tmp_path):
     assert recipes["before"]["steps"] == recipes["now"]["steps"] == 10
     assert recipes["ratio_loop"] == pytest.approx(recipes["now"]["loop_s"] / recipes["before"]["loop_s"], rel=1e-2)
     assert recipes["meets_goal"] is False  # 10 steps reach nowhere near 1.60
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_features  # kernel timings
+def test_few_rows_decode_times_decoding_with_the_product_chosen_and_off_against_the_reference(tmp_path):
+    """``python -m benchmarks.investigations.few_rows_decode``: the CPU named, for each preset decoderlab as chosen,
+    with the few-rows product off and the reference timed, and every shape it timed listed with its choice (the
+    layers' shapes at the prompt's rows and at one row, the head's at one row)."""
+    out = tmp_path / "few_rows_decode.json"
+    stdout = run_module(
+        "benchmarks.investigations.few_rows_decode", "--size", "nano", "--repeats", "1", "--threads", "1",
+        "--json_out", str(out),
+    )  # fmt: skip
+    assert stdout.startswith("CPU: ")
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["preset"] for row in rows] == ["gpt2", "llama"]
+    for row in rows:
+        assert list(row["tokens_per_s"]) == ["decoderlab", "decoderlab, few-rows product off",
+                                             {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[row["preset"]]]  # fmt: skip
+        assert all(rate > 0 for rate in row["tokens_per_s"].values())
+        assert row["few_rows_kept"] and all(isinstance(kept, bool) for kept in row["few_rows_kept"].values())
+        assert any(shape.endswith(", 1 rows") for shape in row["few_rows_kept"])
