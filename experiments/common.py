@@ -126,7 +126,11 @@ class Session:
         return time.perf_counter() - self.started
 
     def command(self) -> str:
-        return shlex.join(["python", "-m", f"experiments.{self.name}", *self.argv])
+        """The command line as a reader reruns it from the repository root: a path inside the checkout written
+        relative to it, so the report names no machine's folders."""
+        root = pathlib.Path(__file__).resolve().parent.parent
+        argv = [str(pathlib.Path(a).relative_to(root)) if a.startswith(f"{root}/") else a for a in self.argv]
+        return shlex.join(["python", "-m", f"experiments.{self.name}", *argv])
 
     @property
     def seeds(self) -> list[int]:
