@@ -1,6 +1,6 @@
 """Tokens to a validation loss, and make demo's recipe in wall time, before and after issue 46's switches, in one run.
 
-    python -m benchmarks.sample_efficiency --json_out benchmarks/results/sample_efficiency.json   # about 20 min idle
+    python -m benchmarks.sample_efficiency --json_out benchmarks/results/sample_efficiency.json   # about 42 min idle
     python -m benchmarks.sample_efficiency --skip_grid       # only the recipes' wall time (both, alternating)
     python -m benchmarks.sample_efficiency --skip_recipes    # only the grid of tokens to the target
 
@@ -8,12 +8,15 @@
    goes to ``experiments/results/sample_efficiency/`` as usual: make demo's shape with the recipe before issue 46,
    each switch alone on it (Muon, ReLU², zero-initialised residual projections, logit soft-capping, the
    warmup-stable-decay schedule, a value residual), and the recipe now; 6 x 384 (nanoGPT's GPU shape) for a few
-   hundred steps with the GPU recipe before and now; 3 seeds each, two runs at a time on one thread each.
+   hundred steps with the GPU recipe before and now; 3 seeds each, two runs at a time on one thread each: 34 minutes
+   on 2 idle AMD EPYC cores (24 runs of about 1,200 steps at make demo's shape take 24 of them, two at a time; the 6 x
+   384 runs the other 10, Muon's Newton-Schulz products doubling their time on a CPU).
 2. **The recipes** (wall time, which load changes): make demo's command, ``training/pretrain.py --config
    training/configs/shakespeare_char.yaml``, as committed and with the flags that give the recipe before back
    (``before_flags``), each a fresh process on ``--num_threads`` threads, alternating (before, now, before, now),
    scored as ``benchmarks/shakespeare_char.py`` scores it: the loss over every 64-character window of the validation
-   split, the whole command's and the training loop's time, and now / before for each pair.
+   split, the whole command's and the training loop's time, and now / before for each pair (about 8 minutes for
+   three pairs).
 
 The JSON holds both (per setting: tokens to the target per seed, their mean and spread, the final validation loss;
 per recipe run: losses and times), the CPU and the load average before and after; the plot is the experiment's,
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset_name", default=None, help="default: the local copy if present, else the Hub id")
     parser.add_argument("--num_threads", type=int, default=2, help="torch threads of each recipe run (make demo's)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each recipe, alternating; medians reported")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each recipe, alternating; medians reported")
     parser.add_argument("--jobs", type=int, default=2, help="the grid's training runs at once, one thread each")
     parser.add_argument("--skip_grid", action="store_true", help="only the recipes' wall time")
     parser.add_argument("--skip_recipes", action="store_true", help="only the grid of tokens to the target")

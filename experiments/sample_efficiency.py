@@ -1,7 +1,7 @@
 """Claim (the modded-nanogpt speedrun, Jordan et al. 2024): Muon and the speedrun's architecture switches each make
 a language model learn more per token, so a recipe that takes them reaches a given validation loss on fewer tokens.
 
-    python -m experiments.sample_efficiency --jobs 2 --threads 1   # about 30 minutes on 2 idle CPU cores
+    python -m experiments.sample_efficiency --jobs 2 --threads 1   # about 34 minutes on 2 idle CPU cores
     python -m experiments.sample_efficiency --quick                 # smoke test
 
 At ``make demo``'s shape (4 layers x 128, blocks of 64 characters, training/configs/shakespeare_char.yaml) each
