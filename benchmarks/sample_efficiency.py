@@ -9,8 +9,8 @@
    each switch alone on it (Muon, ReLU², zero-initialised residual projections, logit soft-capping, the
    warmup-stable-decay schedule, a value residual), and the recipe now; 6 x 384 (nanoGPT's GPU shape) for a few
    hundred steps with the GPU recipe before and now; 3 seeds each, two runs at a time on one thread each: 34 minutes
-   on 2 idle AMD EPYC cores (24 runs of about 1,200 steps at make demo's shape take 24 of them, two at a time; the 6 x
-   384 runs the other 10, Muon's Newton-Schulz products doubling their time on a CPU).
+   on 2 idle AMD EPYC cores: 24 of those minutes for the 24 runs of about 1,200 steps at make demo's shape, two at a
+   time, and 10 for the 6 x 384 runs, whose time Muon's Newton-Schulz products double on a CPU.
 2. **The recipes** (wall time, which load changes): make demo's command, ``training/pretrain.py --config
    training/configs/shakespeare_char.yaml``, as committed and with the flags that give the recipe before back
    (``before_flags``), each a fresh process on ``--num_threads`` threads, alternating (before, now, before, now),

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import multiprocessing
+import os
 import pathlib
 import shlex
 import sys
@@ -126,10 +127,11 @@ class Session:
         return time.perf_counter() - self.started
 
     def command(self) -> str:
-        """The command line as a reader reruns it from the repository root: a path inside the checkout written
-        relative to it, so the report names no machine's folders."""
-        root = pathlib.Path(__file__).resolve().parent.parent
-        argv = [str(pathlib.Path(a).relative_to(root)) if a.startswith(f"{root}/") else a for a in self.argv]
+        """The command line as a reader reruns it from the repository root: a path inside the checkout or beside
+        it (``../shared/data/...``, the offline data) written relative to the checkout, so the report names no
+        machine's folders."""
+        beside = f"{REPO_ROOT.parent}/"
+        argv = [os.path.relpath(a, REPO_ROOT) if a.startswith(beside) else a for a in self.argv]
         return shlex.join(["python", "-m", f"experiments.{self.name}", *argv])
 
     @property

@@ -250,3 +250,20 @@ def test_results_of_earlier_experiments_do_not_mark_the_code_as_changed(tmp_path
     assert checkpointing.git_commit(ignore=("experiments/results",))["dirty"] is False
     (tmp_path / "model.py").write_text("x = 2\n")
     assert checkpointing.git_commit(ignore=("experiments/results",))["dirty"] is True
+
+
+def test_a_reports_command_line_names_no_machines_folders():
+    """Paths inside the checkout and beside it (the offline data under ../shared) are written relative to the
+    checkout, as a reader reruns the command from its root; other arguments are kept as given."""
+    import torch
+
+    from experiments import common
+
+    root = common.REPO_ROOT
+    argv = ["--output_dir", str(root / "experiments" / "results" / "x"), "--dataset_name",
+            str(root.parent / "shared" / "data" / "tiny_shakespeare"), "--jobs", "2", "/elsewhere/data"]  # fmt: skip
+    session = common.Session("x", None, None, argv, root, root, torch.device("cpu"))
+    assert session.command() == (
+        "python -m experiments.x --output_dir experiments/results/x --dataset_name ../shared/data/tiny_shakespeare "
+        "--jobs 2 /elsewhere/data"
+    )
