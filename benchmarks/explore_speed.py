@@ -3,7 +3,7 @@
     python -m benchmarks.explore_speed                 # about a minute on 2 cores
     python -m benchmarks.explore_speed --json_out benchmarks/results/explore_speed.json
 
-The goals (issue 34): every view within 1 s for the default recipe's model (training/configs/shakespeare_char.yaml:
+The goals: every view within 1 s for the default recipe's model (training/configs/shakespeare_char.yaml:
 4 x 128, 64 positions, the 67-token character vocabulary) and within 5 s for a 12 x 768 model (the llama preset's "small"
 size with GPT-2's 50,304-token vocabulary and 1024 positions). Prompts of 64 tokens (the recipe's block), and for
 12 x 768 also of 256, the longest the explorer draws. Weights are random: a view's cost does not depend on them.

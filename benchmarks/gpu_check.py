@@ -23,7 +23,7 @@ The checks, fastest first (each a row of the table: what, the figure, PASS / FAI
    limit): the best periodic validation loss and its step, the saved folder's validation loss (scored again by
    ``training/evaluate.py``) and the whole command's wall time, beside ``benchmarks/reference_nanogpt.py``'s recipe at
    nanoGPT's GPU settings (6 x 384, block 256, batch 64, dropout 0.2, 5000 iterations, compiled, bf16), also a
-   whole command, in the same run. The goal (issue 39): a saved model at validation loss <= 1.47 in no more time
+   whole command, in the same run. The goal: a saved model at validation loss <= 1.47 in no more time
    than nanoGPT's command.
 7. ``generate`` tokens/s at batch 1 and 64 (greedy, 128 new tokens after a 128-token prompt, KV-cached, bf16),
    eager with a dynamic cache, and at batch 1 with a static cache and a compiled decoding step
@@ -267,7 +267,7 @@ def check_no_sync_per_decoding_step(setup: Setup) -> Row:
 def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
     """gpu_mfu's measurement: bf16 autocast training of the GPT-2-small shape, decoderlab's gpt2 preset beside
     nanoGPT's model and its llama preset beside ``LlamaForCausalLM``, compiled then eager; the MFU and peak memory
-    of each, and per pair and mode the goals of issue 40 (>= 1.0x the reference's tokens/s, MFU >= 40%, peak
+    of each, and per pair and mode the training goals (>= 1.0x the reference's tokens/s, MFU >= 40%, peak
     memory <= the reference's). The gpt2 preset and nanoGPT are also profiled (``gpu_mfu.profiled``: the
     kernels with the most device time per step and the largest allocations, in the row's details and printed side
     by side)."""
@@ -488,8 +488,8 @@ def timed_generate(setup: Setup, model, prompt: torch.Tensor, repeats: int) -> f
 
 def generation_speed(setup: Setup) -> list[Row]:
     """Greedy ``generate`` of ``setup.new_tokens`` tokens after ``setup.prompt_length``, bf16 on a GPU, the
-    GPT-2-small-shaped model of the throughput check: batch 1 and 64 eager with a dynamic cache (what
-    ``generate`` did before issue 40), and batch 1 with a static cache and a compiled decoding step
+    GPT-2-small-shaped model of the throughput check: batch 1 and 64 eager with a dynamic cache (plain
+    ``generate``'s default), and batch 1 with a static cache and a compiled decoding step
     (``decoderlab.generation``, what ``training/generate.py`` does on CUDA), whose goal is
     ``GENERATION_GOAL`` x the 121 tokens/s the H200 measured eagerly at ba4ff63."""
     model = generation_model(setup, torch.bfloat16 if setup.device == "cuda" else torch.float32)
@@ -584,13 +584,11 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-# Every check, in the order a run takes them, with its estimated seconds on an H200: the per-row seconds of
-# benchmarks/results/gpu_check-h200-ba4ff63.json (rounded up), or, for a check added since, a guess from its
-# compilations (Inductor takes 40-60 s per model and shape there). The whole run is to stay within 9 minutes.
-# In the order they run, the issues' goals first; estimated H200 seconds from the run at ba4ff63 (benchmarks/results/
-# gpu_check-h200-ba4ff63.json: four training variants took 94 s, eager generation 21 s). A check that would end past
-# the budget is skipped with its row: the default run holds about 9 minutes, and `--only generation_tokens
-# training_script` is the second command of a GPU session (docs/development.md)
+# Every check, in the order a run takes them (the goals' checks first), with its estimated seconds on an H200: the
+# per-row seconds of benchmarks/results/gpu_check-h200-ba4ff63.json rounded up (four training variants took 94 s,
+# eager generation 21 s), or, for a check added since, a guess from its compilations (Inductor takes 40-60 s per model
+# and shape there). A check that would end past the budget is skipped with its row: the default run holds about 9
+# minutes, and `--only generation_tokens training_script` is the second command of a GPU session (docs/development.md)
 CHECKS = {
     "backends": (check_backends, 20),
     "bf16": (check_bf16_against_llama, 5),

@@ -10,14 +10,14 @@ padded to a multiple of 64), in two pairs: decoderlab's ``gpt2`` preset beside `
 LlamaForCausalLM with the same weights. All use SDPA attention, which on CUDA in bfloat16 runs
 FlashAttention-2 kernels. Each variant trains ``--steps`` timed steps after ``--warmup`` (compilation
 happens there): AdamW (fused), bfloat16 autocast over float32 weights, ``--batch_size`` x 1024 tokens; the peak
-memory of the timed steps (``torch.cuda.max_memory_allocated``) is reported beside each. Goals (issue 40): each
+memory of the timed steps (``torch.cuda.max_memory_allocated``) is reported beside each. Goals: each
 decoderlab preset >= 1.0x its reference's tokens/s, compiled and eager, MFU >= 40%, peak memory <= the reference's.
 
 MFU = achieved FLOP/s / peak. FLOPs per token = 6 N + 12 L T d (PaLM, appendix B; nanoGPT's estimate):
 N the parameters in matrix multiplies (every weight except the input embedding table), L layers, T the
 sequence length, d the hidden size; the attention term counts the full T x T scores, not the causal half.
 Peak: 989 TFLOP/s, NVIDIA's dense (no sparsity) BF16 Tensor Core figure for the H200 SXM (the same as
-the H100 SXM's); ``--peak_tflops`` for another GPU. The target in the issue is MFU >= 40% on an H200.
+the H100 SXM's); ``--peak_tflops`` for another GPU. The MFU goal, 40%, is set for an H200.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     nice -n 5 python -m benchmarks.sampler_curves --json_out benchmarks/results/sampler_curves.json   # ~10 min
     python -m benchmarks.sampler_curves --demo --json_out benchmarks/results/sampler_demo.json   # make demo's recipe
 
-A text seen 20 times or more is where the training windows matter (issue 39): fixed blocks show the model the same
+A text seen 20 times or more is where the training windows matter: fixed blocks show the model the same
 few hundred windows every pass, and it learns them by heart. To see that on two CPU cores within minutes, every run
 trains on the first ``--train_chars`` characters of nanoGPT's Tiny Shakespeare training split (its first 90%)
 for ``--passes`` passes, and is scored on the first ``--val_chars`` characters of its validation split (the last

@@ -17,9 +17,10 @@ measured after one untimed step (compilation happens there):
 
 Rows: each model alone (nanoGPT's ``train.py`` way: autocast, forward, backward), and the models the training
 script trains through its Accelerate set-up (``training.loop``: ``make_accelerator``, ``accelerator.prepare``,
-``outputs_in_compute_dtype``, ``accelerator.backward``). Two rows show the causes of issue 40 as they were:
-the lean loss under compile (``CrossEntropyFunction`` taken inside the graph) and Accelerate's float32 copy of the
-logits. A CPU shows which buffers exist; GPU figures come from ``benchmarks/gpu_mfu.py``.
+``outputs_in_compute_dtype``, ``accelerator.backward``). Two rows put back the two choices that each once cost a
+GPU step one float32 logits-sized buffer more than nanoGPT's: the lean loss under compile (``CrossEntropyFunction``
+taken inside the graph) and Accelerate's float32 copy of the logits. A CPU shows which buffers exist; GPU figures
+come from ``benchmarks/gpu_mfu.py``.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def measure(name: str, mode: str, route: str, quick: bool, variant: str = "") ->
     ids = torch.randint(shape["vocab_size"], (batch, block + 1), generator=torch.Generator().manual_seed(0))
     backend = "aot_eager" if quick else "inductor"
     restore = contextlib.ExitStack()
-    if variant == "lean loss compiled":  # the choice before issue 40: the lean loss inside compiled graphs too
+    if variant == "lean loss compiled":  # the earlier choice: the lean loss inside compiled graphs too
         restore.enter_context(swapped(kernels_decoderlab, "takes_lean_loss_path",
                                       lambda n, device_type="cpu": n >= kernels_decoderlab.LEAN_LOSS_MIN_LOGITS))  # fmt: skip
         restore.enter_context(swapped(kernels_decoderlab, "LEAN_LOSS_MIN_LOGITS", 0 if quick else 2**24))

@@ -3,9 +3,9 @@
 ``generate`` compiles its decoding step by itself when the cache is compileable (``cache_implementation="static"``)
 and the model sits on an accelerator, the way ``generation_config.compile_config`` says (Inductor with CUDA graphs,
 ``mode="reduce-overhead"``, by default). Small models are slow to decode eagerly on a GPU because every token costs
-the Python and kernel launches of a whole forward (121 tokens/s at batch 1 for a GPT-2-small shape on an H200); a
-compiled step replays one CUDA graph instead. On a CPU the same switch would need measuring first, so ``"auto"`` is
-on for CUDA only.
+the Python and kernel launches of a whole forward (121 tokens/s at batch 1 for a GPT-2-small shape on an H200,
+``benchmarks/results/gpu_check-h200-ba4ff63.json``); a compiled step replays one CUDA graph instead. On a CPU the
+same switch would need measuring first, so ``"auto"`` is on for CUDA only.
 
 ``set_compiled_decoding(model, compile)`` sets the generation config; ``generate(model, ...)`` is ``model.generate``
 that, when compiling fails (an unknown backend, a compiler error), logs one warning naming why and decodes the same

@@ -3,7 +3,7 @@
 Each piece computes what the plain PyTorch it replaces computes (the tests compare them), and says in one line
 why it exists. The one trick whose pay-off depends on the machine, the linear layers' few-rows product, is used
 only where a timing on the machine running it, for that shape and thread count, found it faster. Measured
-figures live in ``benchmarks/results/`` and the README, not here.
+figures live in ``benchmarks/results/`` and ``benchmarks/notes/kernels.md``, not here.
 
 This file travels inside checkpoints with ``modeling_decoderlab.py`` (transformers copies the files a module
 reaches by relative import), so it imports only ``torch`` and ``transformers``.

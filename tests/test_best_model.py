@@ -1,5 +1,5 @@
 """The best model kept (``load_best_model_at_end``), early stopping, and compilation that does not recompile at each
-evaluation (issue 39).
+evaluation.
 
 The runs overfit on purpose: 3,000 characters of Tiny Shakespeare to train on, a model of 2 x 64, a high learning
 rate, so the validation loss falls, then rises within 150 steps (2-3 s each, in this process). Which step is the
@@ -246,7 +246,7 @@ def test_evaluations_do_not_recompile_and_the_first_step_is_timed_apart(tmp_path
 
 @pytest.mark.slow
 def test_the_default_recipe_run_past_its_best_saves_its_best(tmp_path):
-    """Issue 45: training/configs/shakespeare_char.yaml as a user copies it, on a small text of their own (20,000
+    """training/configs/shakespeare_char.yaml as a user copies it, on a small text of their own (20,000
     characters of Tiny Shakespeare, a validation text apart) for 1,000 steps, about 50 passes over the text: the
     validation loss has turned by the last step, and the folder holds the weights of the best evaluation, whose loss
     the saved model reproduces, not the last step's."""

@@ -1,4 +1,4 @@
-"""decoderlab.cli.run_command: how every command ends on a user's mistake (issue 42)."""
+"""decoderlab.cli.run_command: how every command ends on a user's mistake."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Running as a CPU without AVX-512, AMX or bf16 instructions runs (issue 45), on any x86-64 machine with AVX2.
+"""Running as a CPU without AVX-512, AMX or bf16 instructions runs, on any x86-64 machine with AVX2.
 
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` hold torch's vectorised kernels and oneDNN's (which computes
 CPU autocast's bf16 products) to AVX2: ``make test-avx2`` and CI run the fast tests and the slow ``cpu_features``

@@ -1,4 +1,4 @@
-"""The README and the docs site keep their promises (issue 33): every Python block runs, every command a page shows
+"""The README and the docs site keep their promises: every Python block runs, every command a page shows
 is accepted by its script's own parser, every relative link resolves, the generated reference covers the code, the
 site builds with ``mkdocs build --strict``, and a browser shows it with its equations and plots.
 

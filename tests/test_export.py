@@ -134,7 +134,7 @@ def test_onnx_runtime_matches_every_other_switch(tiny_model, tmp_path):
     assert onnx_difference(model, out, [(2, 5), (1, 60)]) < 1e-4
 
 
-# modded-nanogpt's switches (issue 46): ReLU squared, the final logits capped (at 2: these weights' logits change
+# modded-nanogpt's switches: ReLU squared, the final logits capped (at 2: these weights' logits change
 # under it), the value residual; both graph exports trace them with the model
 SPEEDRUN_SWITCHES = dict(hidden_act="relu2", final_logit_softcapping=2.0, value_residual=True, qk_norm=True)
 

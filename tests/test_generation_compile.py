@@ -1,4 +1,4 @@
-"""Compiled decoding (issue 40): ``decoderlab.generation`` and ``training/generate.py --compile``, on a CPU.
+"""Compiled decoding: ``decoderlab.generation`` and ``training/generate.py --compile``, on a CPU.
 
 A CPU cannot show the speed (``benchmarks/gpu_check.py``'s rows do, on a GPU); what it shows is the switch itself:
 off by default here, the same tokens as eager decoding when forced on (TorchDynamo's ``eager`` backend captures the

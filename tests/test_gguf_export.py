@@ -148,7 +148,7 @@ def test_transformers_gguf_loader_reads_the_same_model_and_tokenizer(case, tmp_p
         torch.testing.assert_close(logits(loaded, ids), logits(model, ids), atol=1e-4, rtol=0)
 
 
-# measured max |logit difference| / max |logit| on these models is below a third of each bound (README table)
+# measured max |logit difference| / max |logit| on these models is below a third of each bound (docs/performance.md)
 RELATIVE_TOLERANCE = {"f16": 2e-3, "bf16": 2e-2, "q8_0": 2e-2}
 
 

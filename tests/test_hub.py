@@ -306,8 +306,8 @@ def training_folder(checkpoint, tmp_path_factory):
 
 
 def test_push_includes_intermediate_checkpoints_only_when_asked(hub, training_folder):
-    """Without include_checkpoints the step_N/ folders stay local; with it (issue 42: it could never succeed on a
-    training folder) they are uploaded as Accelerate wrote them, pickles included, while step_N.tmp/ (being
+    """Without include_checkpoints the step_N/ folders stay local; with it (which once failed on every training
+    folder) they are uploaded as Accelerate wrote them, pickles included, while step_N.tmp/ (being
     written) never is; the pickle refusal still guards the model itself."""
     files_of = lambda commit: HfApi().list_repo_files("decoderlab-org/with-checkpoints", revision=commit)
     commit = push_to_hub(training_folder, "decoderlab-org/with-checkpoints", token=hub.token)
@@ -469,7 +469,7 @@ CARD_SNIPPET = re.compile(
 def test_model_card_snippets_run_against_the_hub(hub, pushed, tmp_path):
     """The pushed card's snippets run as a reader would copy them, against the Hub (HF_ENDPOINT): with decoderlab
     importable, and without it (the commit hash filled in), where transformers must never stop to ask whether to
-    run the repository's code (issue 42: AutoTokenizer reads config.json, whose class is remote code)."""
+    run the repository's code (AutoTokenizer reads config.json, whose class is remote code)."""
     repo_id, commit = pushed
     card = hub.read(repo_id, commit, "README.md").decode()
     snippets = dict(CARD_SNIPPET.findall(card))

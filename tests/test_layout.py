@@ -1,5 +1,5 @@
 """The package's layout: what travels inside checkpoints stays apart, and decoderlab's modules import one another in
-one direction (issue 33: ``convert`` -> ``export`` -> ``gguf_export`` -> ``convert`` was a circle, hidden in imports
+one direction (``convert`` -> ``export`` -> ``gguf_export`` -> ``convert`` was once a circle, hidden in imports
 inside functions).
 
 Read from the source with ``ast``, every import counted, those inside functions too."""

@@ -1,4 +1,4 @@
-"""What a GPU training step depends on, checked on a CPU (issue 40): no host-device synchronisation in a step
+"""What a GPU training step depends on, checked on a CPU: no host-device synchronisation in a step
 between logging steps, no float32 copy of the logits under mixed precision, no graph break in any preset's
 training forward and loss, and a loss whose value and gradient are ``F.cross_entropy``'s, eager and compiled."""
 
@@ -89,7 +89,7 @@ def test_a_training_step_does_not_wait_for_the_device(tmp_path):
     """Two and six optimizer steps (2 micro-batches each, logging only at the last step, no evaluation or
     checkpoint before the end) make the same host-device synchronisations: the ones of the last step's log and
     the final evaluation, none per step. Fails on a per-step ``.item()``, ``bool()`` of a device value or the
-    blocking copy of the target count the loop made before issue 40."""
+    blocking copy of the target count the loop once made."""
     two, _ = run_steps(tmp_path, 2)
     six, result = run_steps(tmp_path, 6)
     assert result.state.step == 6

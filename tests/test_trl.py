@@ -1,4 +1,4 @@
-"""Post-training with TRL (issue 16): SFTTrainer padded and packed, DPOTrainer with a LoRA adapter, RewardTrainer on
+"""Post-training with TRL: SFTTrainer padded and packed, DPOTrainer with a LoRA adapter, RewardTrainer on
 AutoModelForSequenceClassification, GRPOTrainer with a toy reward, each on a checkpoint the way the training scripts
 write it (character tokenizer, <|endoftext|> as EOS, padding and BOS).
 

@@ -79,12 +79,12 @@ def layouts() -> dict[str, dict]:
             fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
         configs[f"{position}_parallel_{attention}"] = fields
     configs["rope_pre_gqa_unscaled"] = dict(configs["rope_pre_gqa"], attention_scale=1.0, qk_norm=True)
-    # muP (issue 47): vLLM builds its own head and reads the logits' factor as the config's logit_scale (here
+    # muP: vLLM builds its own head and reads the logits' factor as the config's logit_scale (here
     # 2 / (128 / 32) = 0.5); the attention's 1/head_dim is the module's own scaling. Untied and tied heads
     for layout in ("rope_pre_gqa", "learned_pre_mha"):
         configs[f"{layout}_mup"] = dict(configs[layout], parametrization="mup", mup_base_width=32,
                                         mup_output_multiplier=2.0)  # fmt: skip
-    # the speedrun's switches (issue 46): ReLU squared, in the gated and the plain MLP, the final logits capped at 2
+    # the speedrun's switches: ReLU squared, in the gated and the plain MLP, the final logits capped at 2
     # (the O(1) logits of these weights change under it: vLLM's Transformers backend caps in its own logits
     # processor, reading final_logit_softcapping from the config, so a backend that dropped it would fail here),
     # and the value residual (the checkpoint's own attention code mixes the values before vLLM's attention)

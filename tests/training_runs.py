@@ -32,7 +32,7 @@ def char_model_config(tokenizer, max_position_embeddings: int = 128) -> decoderl
 
 
 def char_tokenizer_without_special_tokens(texts) -> PreTrainedTokenizerFast:
-    """The character tokenizer as the training scripts made it before it had an end-of-text token (issue 16):
+    """The character tokenizer as the training scripts made it before it had an end-of-text token:
     the sorted characters only, no EOS, padding or BOS; what older checkpoints hold."""
     chars = sorted(set().union(*map(set, texts)))
     tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))

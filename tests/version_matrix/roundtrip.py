@@ -18,7 +18,7 @@ logits (atol 1e-5) and identical tokens. ``--resave-to OUT`` then saves loaded m
 version into OUT (with their references), for a later ``check`` under another release: the 16 ``resaved`` picks,
 one per position type x block layout, the attention type rotating (all 48 would add a third to the matrix's run time).
 
-Protects: issue 15's promise that a checkpoint saved under any transformers 5.12-5.25 loads and decodes
+Protects: the promise that a checkpoint saved under any transformers 5.12-5.25 loads and decodes
 identically under every other. ``run_matrix.py`` drives it across the versions' environments.
 """
 
@@ -67,10 +67,10 @@ ROPE_SCALINGS = {
     "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     "longrope": {"short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 32},
 }
-# parametrization "mup" (issue 47) on a Llama layout (untied head) and a GPT-2 one (tied): m = 32 / 16 = 2
+# parametrization "mup" on a Llama layout (untied head) and a GPT-2 one (tied): m = 32 / 16 = 2
 MUP = dict(parametrization="mup", mup_base_width=16, mup_output_multiplier=1.5)
 MUP_LAYOUTS = ("rope_pre_gqa", "learned_pre_mha")
-# modded-nanogpt's switches (issue 46): ReLU squared in the gated and the plain MLP, the final logits soft-capped (at
+# modded-nanogpt's switches: ReLU squared in the gated and the plain MLP, the final logits soft-capped (at
 # 2, so that the cap changes the O(1) logits of the re-drawn weights), the residual projections zero-initialised, the
 # value residual
 SPEEDRUN = {

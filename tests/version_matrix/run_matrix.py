@@ -34,10 +34,10 @@ ROUNDTRIP = HERE / "roundtrip.py"
 TORCH = "torch==2.13.0"  # the tested CPU build; installed first, so transformers' dependency on torch adds nothing
 VERSIONS = ("5.12.1", "5.16.1", "5.19.0", "5.22.2", "5.24.0", "5.25.0")  # the newest patch of each minor tested
 # transformers 5.25 requires `kernels` (the Hub kernels library) >= 0.19.1, which a package index may not carry yet
-# (this machine's had 0.17.2 at most until 2026-12-04; it now has 0.19.1, and the release installs whole). Such a
-# release is installed without the requirements the index lacks, and
-# when `kernels` is among them its checks run with Hub kernels switched off (transformers' USE_HUB_KERNELS=NO),
-# since from 5.25 from_pretrained otherwise refuses to load any model without it. decoderlab's model has no layer
+# (benchmarks/notes/transformers-versions.md tells when this project's index gained it). Such a release is installed
+# without the requirements the index lacks, and when `kernels` is among them its checks run with Hub kernels
+# switched off (transformers' USE_HUB_KERNELS=NO), since from 5.25 from_pretrained otherwise refuses to load any
+# model without it. decoderlab's model has no layer
 # that Hub kernels replace, so the switch changes nothing in what is compared.
 OPTIONAL_FOR_THE_ROUND_TRIP = ("kernels",)
 
