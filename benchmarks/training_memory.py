@@ -161,7 +161,7 @@ def accelerate_step(model, ids: torch.Tensor, mode: str, backend: str, keep_fp32
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     # on a CPU without bf16 instructions bf16 runs in software: slower, the same buffers (bytes are measured here)
-    accelerator = make_accelerator(TrainConfig(mixed_precision="bf16"), cpu=True, allow_emulated_bf16=True)
+    accelerator = make_accelerator(TrainConfig(mixed_precision="bf16"), cpu=True)
     if mode == "compiled":
         model.compile(backend=backend)
     prepared = accelerator.prepare(model)

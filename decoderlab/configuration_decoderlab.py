@@ -32,8 +32,18 @@ HiddenAct = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "sw
 Parametrization = Literal["standard", "mup"]
 
 
+# muP's base model (mup_base_shapes): the sizes besides hidden_size (mup_base_width) that a matrix's sides are made of
+MUP_BASE_SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
 def _choices(literal) -> tuple[str, ...]:
     return typing.get_args(literal)
+
+
+def is_mup(config) -> bool:
+    """Whether ``config`` (a DecoderLabConfig, another model's config, or None) is in the maximal update
+    parametrization: the one test of it every module uses."""
+    return getattr(config, "parametrization", "standard") == "mup"
 
 
 @strict
@@ -161,12 +171,21 @@ class DecoderLabConfig(PreTrainedConfig):
     ``training/optim.py``); the attention scale is 1/head_dim instead of 1/sqrt(head_dim) (unless
     ``attention_scale`` is set: then that fixed factor is used at every width); the logits are multiplied by
     ``mup_output_multiplier`` / m (``logit_scale``), in the forward pass, so a tied ``lm_head`` works. Embeddings,
-    an untied ``lm_head``, norms and biases keep their initialisation and learning rate. Every hidden dimension
-    (heads x ``head_dim``, ``intermediate_size``) is taken to grow with ``hidden_size``, as the named sizes do."""
+    an untied ``lm_head``, norms and biases keep their initialisation and learning rate. Each matrix takes m from its
+    own sides (``mup_base_shapes``: every dimension grows with ``hidden_size`` unless it says otherwise);
+    ``roles_decoderlab.py`` has the table."""
     mup_base_width: int | None = None
     """muP's base width: the ``hidden_size`` the learning rate and initialisation were tuned at (needed with
     ``parametrization="mup"``, from 1 to ``hidden_size``; read by nothing else). At ``hidden_size ==
     mup_base_width`` a muP model is the standard one but for its 1/head_dim attention scale."""
+    mup_base_shapes: dict | None = None
+    """muP's base model: its ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads`` and ``head_dim``
+    (its ``hidden_size`` is ``mup_base_width``). Each matrix's width multipliers are its own sides' widths over the base
+    model's (Tensor Programs V; microsoft/mup's base shapes), so a dimension that does not grow with ``hidden_size``
+    (a fixed ``intermediate_size``, fixed key/value heads) is stated here and gets its own factors. A size left out
+    grows with ``hidden_size``: the base value is this model's times mup_base_width / hidden_size (possibly not a
+    whole number: only the ratios are used). Under muP the config records the complete base shapes, so a checkpoint
+    says which base it was tuned at; read only with ``parametrization="mup"``."""
     mup_output_multiplier: float = 1.0
     """muP's output multiplier alpha_out, tuned at the base width like a learning rate: the logits are multiplied by
     alpha_out / m. Read only with ``parametrization="mup"``."""
@@ -261,9 +280,9 @@ class DecoderLabConfig(PreTrainedConfig):
         self._check_parametrization()
 
     def _check_parametrization(self) -> None:
-        if self.parametrization != "mup":
+        if not is_mup(self):
             given = [f"{name}={getattr(self, name)!r}" for name, unset in (("mup_base_width", None),
-                     ("mup_output_multiplier", 1.0)) if getattr(self, name) != unset]  # fmt: skip
+                     ("mup_base_shapes", None), ("mup_output_multiplier", 1.0)) if getattr(self, name) != unset]  # fmt: skip
             if given:
                 raise ValueError(
                     f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} read only with parametrization='mup', "
@@ -286,6 +305,7 @@ class DecoderLabConfig(PreTrainedConfig):
                 f"mup_output_multiplier must be a finite positive number (1.0: the logits are divided by the width "
                 f"multiplier alone), got {self.mup_output_multiplier}."
             )
+        self.mup_base_shapes = self._resolve_base_shapes()
         if self.final_logit_softcapping is not None:
             # here the cap acts on the logits after muP's factor, c * tanh(s * z / c); vLLM, which reads both fields,
             # caps first and scales after, s * c * tanh(z / c): the same checkpoint would be another model there
@@ -295,18 +315,58 @@ class DecoderLabConfig(PreTrainedConfig):
                 "different models. Use one of them: final_logit_softcapping=None, or parametrization='standard'."
             )
 
+    def _resolve_base_shapes(self) -> dict:
+        """``mup_base_shapes`` complete: the sizes given, checked, and the others grown with ``hidden_size``."""
+        given = dict(self.mup_base_shapes or {})
+        unknown = sorted(set(given) - set(MUP_BASE_SHAPE_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"mup_base_shapes has no size {', '.join(map(repr, unknown))}: it gives the base model's "
+                f"{', '.join(MUP_BASE_SHAPE_FIELDS)} (its hidden_size is mup_base_width)."
+            )
+        for name, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"mup_base_shapes[{name!r}] must be a positive number, got {value!r}.")
+        ratio = self.mup_base_width / self.hidden_size
+        grown = {name: getattr(self, name) * ratio for name in MUP_BASE_SHAPE_FIELDS}
+        grown["head_dim"] = self.head_dim  # the heads grow in number, each as wide as before (the named sizes' way)
+        resolved = {name: given.get(name, grown[name]) for name in MUP_BASE_SHAPE_FIELDS}
+        return {name: int(v) if float(v).is_integer() else v for name, v in resolved.items()}
+
     @property
     def mup_width_multiplier(self) -> float:
         """muP's m = hidden_size / mup_base_width; 1.0 for the standard parametrization."""
-        return self.hidden_size / self.mup_base_width if self.parametrization == "mup" else 1.0
+        return self.hidden_size / self.mup_base_width if is_mup(self) else 1.0
+
+    @property
+    def mup_widths(self) -> dict[str, float]:
+        """How many times wider each width of the model is than in muP's base model: ``hidden_size``,
+        ``intermediate_size``, ``attention`` (heads x head_dim) and ``key_value`` (key/value heads x head_dim); every one
+        1.0 in the standard parametrization. A matrix's sides are two of these (``parameter_roles``)."""
+        if not is_mup(self):
+            return dict.fromkeys(("hidden_size", "intermediate_size", "attention", "key_value"), 1.0)
+        base = self.mup_base_shapes
+        return {
+            "hidden_size": self.hidden_size / self.mup_base_width,
+            "intermediate_size": self.intermediate_size / base["intermediate_size"],
+            "attention": self.num_attention_heads * self.head_dim / (base["num_attention_heads"] * base["head_dim"]),
+            "key_value": self.num_key_value_heads * self.head_dim / (base["num_key_value_heads"] * base["head_dim"]),
+        }
 
     @property
     def logit_scale(self) -> float:
         """The factor on the logits: ``mup_output_multiplier`` / m under muP (Tensor Programs V, Table 8), 1.0
         otherwise. Cohere's configs name their logit factor so; vLLM's Transformers backend reads it by that name."""
-        if self.parametrization != "mup":
+        if not is_mup(self):
             return 1.0
         return self.mup_output_multiplier / self.mup_width_multiplier
+
+    @property
+    def default_attention_scale(self) -> float:
+        """The attention scale when ``attention_scale`` is unset: 1/sqrt(head_dim) (Vaswani et al. 2017: q.k has
+        variance near 1 for unit-variance q, k), 1/head_dim under muP (Yang et al. 2022, section 4: training correlates
+        q with k, and q.k then grows like head_dim)."""
+        return self.head_dim**-1.0 if is_mup(self) else self.head_dim**-0.5
 
     def validate_rope(self) -> None:
         """transformers' RoPE checks (which ``@strict`` runs on every config) concern RoPE configs only:
@@ -534,4 +594,4 @@ SIZES: dict[str, dict] = {
     "small": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12),  # GPT-2 small
 }
 
-__all__ = ["DecoderLabConfig", "PRESETS", "SIZES"]
+__all__ = ["DecoderLabConfig", "PRESETS", "SIZES", "is_mup"]

@@ -66,6 +66,7 @@ SWITCH_MEANINGS = {
     "scale_residual_init": "GPT-2 init: residual projections scaled by 1/sqrt(2 x layers)",
     "parametrization": "standard, or mup: init, rates and multipliers that keep the best learning rate across widths",
     "mup_base_width": "muP: the hidden_size its learning rate was tuned at",
+    "mup_base_shapes": "muP: the base model's other sizes, which each matrix's width multipliers are taken against",
     "mup_output_multiplier": "muP: the logits are multiplied by this / (hidden_size / mup_base_width)",
     "zero_residual_init": "residual projections (o_proj, down_proj) start at zero",
     "final_logit_softcapping": "logits capped as c * tanh(logits / c)",

@@ -24,6 +24,7 @@ from .compat_decoderlab import (  # isort: skip
 
 import contextvars
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_decoderlab import DecoderLabConfig
 from .kernels_decoderlab import DecoderLabLinear, DecodingStepFastPath, causal_lm_loss, rms_norm
+from .roles_decoderlab import ParameterRole, init_of, init_std
 
 logger = logging.get_logger(__name__)
 
@@ -269,22 +271,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(B, n_kv, n_rep, T, hs).reshape(B, n_kv * n_rep, T, hs)
 
 
-def residual_output(projection: DecoderLabLinear) -> DecoderLabLinear:
-    """Mark ``projection`` as one that writes into the residual stream (``o_proj``, ``down_proj``): the ones
-    ``scale_residual_init`` draws smaller."""
-    projection.is_residual_output = True
-    return projection
-
-
-def mark_hidden_matrices(layer: nn.Module) -> None:
-    """Mark every linear layer of a decoder block as a hidden matrix (both of its sides grow with the width: q/k/v/o,
-    the MLP's projections), the matrices muP draws with variance std^2 / m; the token embeddings and the head are
-    not in a block."""
-    for module in layer.modules():
-        if isinstance(module, nn.Linear):
-            module.is_hidden_matrix = True
-
-
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -319,9 +305,11 @@ class DecoderLabValueResidual(nn.Module):
     """The value residual of a later layer (Zhou et al. 2024): v <- v + l (v_1 - v), with l learned (0.5 at first)
     and v_1 the first layer's values for the same tokens."""
 
+    initial_value = 0.5  # half the layer's own values, half the first layer's (its role's rule reads it)
+
     def __init__(self):
         super().__init__()
-        self.weight = nn.Parameter(torch.full((1,), 0.5))
+        self.weight = nn.Parameter(torch.full((1,), self.initial_value))
 
     def forward(self, v: torch.Tensor, values: dict) -> torch.Tensor:
         return torch.lerp(v, values["first"], self.weight.to(v.dtype))
@@ -348,10 +336,8 @@ class DecoderLabAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        # Vaswani et al. 2017: 1/sqrt(d_k) keeps the variance of q.k near 1 when q, k have unit variance. muP (Yang et
-        # al. 2022, section 4): 1/d_k, since training correlates q with k and q.k then grows like d_k, not sqrt(d_k)
-        default_scale = self.head_dim**-1.0 if config.parametrization == "mup" else self.head_dim**-0.5
-        self.scaling = config.attention_scale if config.attention_scale is not None else default_scale
+        # 1/sqrt(d_k) (Vaswani et al. 2017), or muP's 1/d_k (Yang et al. 2022): config.default_attention_scale
+        self.scaling = config.attention_scale if config.attention_scale is not None else config.default_attention_scale
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         C, nh, n_kv, hs, bias = (
@@ -364,7 +350,7 @@ class DecoderLabAttention(nn.Module):
         self.q_proj = DecoderLabLinear(C, nh * hs, bias=bias)
         self.k_proj = DecoderLabLinear(C, n_kv * hs, bias=bias)
         self.v_proj = DecoderLabLinear(C, n_kv * hs, bias=bias)
-        self.o_proj = residual_output(DecoderLabLinear(nh * hs, C, bias=bias))
+        self.o_proj = DecoderLabLinear(nh * hs, C, bias=bias)
         # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen 3): normalise each head's q and k before RoPE
         self.q_norm = make_norm(config, hs) if config.qk_norm else None
         self.k_norm = make_norm(config, hs) if config.qk_norm else None
@@ -429,9 +415,7 @@ class DecoderLabMLP(nn.Module):
     def __init__(self, config: DecoderLabConfig):
         super().__init__()
         self.up_proj = DecoderLabLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = residual_output(
-            DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        )
+        self.down_proj = DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -445,9 +429,7 @@ class DecoderLabGatedMLP(nn.Module):
         super().__init__()
         self.gate_proj = DecoderLabLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = DecoderLabLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = residual_output(
-            DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        )
+        self.down_proj = DecoderLabLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -468,7 +450,6 @@ class DecoderLabDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.self_attn = DecoderLabAttention(config, layer_idx)
         self.mlp = MLP_CLASSES[config.mlp_type](config)
-        mark_hidden_matrices(self)
         # No module without dropout: nothing to call twice per layer and token
         self.dropout = nn.Dropout(config.hidden_dropout) if config.hidden_dropout > 0 else None
 
@@ -617,6 +598,25 @@ class LogitSoftCap(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# Parameter roles (roles_decoderlab.py: the rules each role gets)
+
+# A decoder block's matrices, by their names inside the block: each one's role and the widths its input and output
+# sides have (DecoderLabConfig.mup_widths' names), which muP compares with the base model's
+BLOCK_MATRICES = {
+    "self_attn.q_proj": ("hidden_matrix", "hidden_size", "attention"),
+    "self_attn.k_proj": ("hidden_matrix", "hidden_size", "key_value"),
+    "self_attn.v_proj": ("hidden_matrix", "hidden_size", "key_value"),
+    "self_attn.o_proj": ("residual_output", "attention", "hidden_size"),
+    "mlp.gate_proj": ("hidden_matrix", "hidden_size", "intermediate_size"),
+    "mlp.up_proj": ("hidden_matrix", "hidden_size", "intermediate_size"),
+    "mlp.down_proj": ("residual_output", "intermediate_size", "hidden_size"),
+}
+READOUT_MODULES = ("lm_head", "score")  # the logits of the causal LM, the classifier's scores
+# each model's parameter roles by tensor id, for _init_weights (role_of), forgotten with the model
+_ROLES_BY_TENSOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------------------------
 # Hugging Face models
 
 
@@ -647,42 +647,92 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
         if tp_size:  # loading with tp_plan: refuse a layout the plan cannot split before any weight is read
             check_tensor_parallel(config, tp_size)
 
+    def parameter_roles(self) -> dict[str, ParameterRole]:
+        """Every parameter's role, by name (as ``named_parameters`` lists them: a tied ``lm_head`` is the token
+        embedding), with a matrix's muP width multipliers (``config.mup_widths`` of its two sides; 1.0 in the standard
+        parametrization). The one answer to "what kind of parameter is this?": the initialisation, the training
+        scripts' optimizer groups and the exporters read it, through ``roles_decoderlab.RULES``. A parameter it does
+        not know is refused by name, so a new one cannot silently take another's rule.
+
+        Layers that PEFT wraps keep their own weights under ``base_layer`` and their roles; PEFT's LoRA factors are
+        adapters."""
+        widths, roles, seen = self.config.mup_widths, {}, set()
+        for module_name, module in self.named_modules():
+            local = module_name.replace(".base_layer", "")  # a layer PEFT wraps, by its own name
+            for attr, param in module.named_parameters(recurse=False):
+                if id(param) in seen:  # a tied tensor, named once
+                    continue
+                seen.add(id(param))
+                name = f"{module_name}.{attr}" if module_name else attr
+                block_matrix = next((sides for suffix, sides in BLOCK_MATRICES.items() if local.endswith(suffix)), None)
+                if ".lora_" in module_name:
+                    roles[name] = ParameterRole("adapter")
+                elif attr == "bias":
+                    roles[name] = ParameterRole("bias")
+                elif isinstance(module, nn.Embedding):
+                    roles[name] = ParameterRole("token_embedding", fan_out=widths["hidden_size"])
+                elif isinstance(module, DecoderLabLearnedPositionalEmbedding):
+                    roles[name] = ParameterRole("position_embedding", fan_out=widths["hidden_size"])
+                elif block_matrix is not None and isinstance(module, nn.Linear):
+                    role, fan_in, fan_out = block_matrix
+                    roles[name] = ParameterRole(role, fan_in=widths[fan_in], fan_out=widths[fan_out])
+                elif isinstance(module, (DecoderLabRMSNorm, nn.LayerNorm)):
+                    roles[name] = ParameterRole("gain")
+                elif isinstance(module, nn.Linear) and local in READOUT_MODULES:
+                    roles[name] = ParameterRole("readout", fan_in=widths["hidden_size"])
+                elif isinstance(module, DecoderLabValueResidual):
+                    roles[name] = ParameterRole("scalar")
+                else:
+                    raise ValueError(
+                        f"The parameter {name} ({type(module).__name__}.{attr}, shape {tuple(param.shape)}) has no "
+                        "role: name it in DecoderLabPreTrainedModel.parameter_roles (and BLOCK_MATRICES for a block's "
+                        "matrix), so that its initialisation, learning rate and weight decay are chosen, not inherited."
+                    )
+        return roles
+
+    def role_of(self, param: nn.Parameter, module: nn.Module) -> ParameterRole:
+        """``parameter_roles()``'s answer for ``param`` of ``module`` (remembered while the tensor lives). A module not
+        (yet) in the model is one transformers makes to replace the token embeddings or the head
+        (``resize_token_embeddings``): it takes their role."""
+        known = _ROLES_BY_TENSOR.setdefault(self, {})
+        entry = known.get(id(param))
+        if entry is None or entry[0]() is not param:
+            roles = self.parameter_roles()
+            known.clear()
+            for name, tensor in self.named_parameters():
+                known[id(tensor)] = (weakref.ref(tensor), roles[name])
+            entry = known.get(id(param))
+        if entry is not None:
+            return entry[1]
+        if isinstance(module, nn.Embedding):
+            return ParameterRole("token_embedding", fan_out=self.config.mup_widths["hidden_size"])
+        if isinstance(module, nn.Linear):
+            return ParameterRole("readout", fan_in=self.config.mup_widths["hidden_size"])
+        raise ValueError(f"A {type(module).__name__} outside the model has no role to be initialised by.")
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std, embedding_std = self.config.initializer_range, self.config.embedding_initializer_range
-        if embedding_std is not None and type(module) in (nn.Embedding, DecoderLabScaledEmbedding):
-            # the token embeddings with a std of their own, drawn once (the other weights draw what they would)
-            init.normal_(module.weight, mean=0.0, std=embedding_std)
-            return
-        # muP (Tensor Programs V, Table 8): a hidden matrix (both sides grow with the width) draws with variance
-        # std^2 / m; m = 1 in the standard parametrization
-        hidden_std = std / math.sqrt(self.config.mup_width_multiplier)
-        residual = getattr(module, "is_residual_output", False)
-        if residual and (self.config.scale_residual_init or self.config.zero_residual_init):
-            # GPT-2 (Radford et al. 2019): residual outputs shrink with depth so the stream's variance stays bounded.
-            # Drawn on the projection itself: transformers skips _init_weights for modules without parameters of
-            # their own, such as the attention and MLP modules (from 5.13 on for all code outside the library; 5.12
-            # for remote code only)
-            scale = math.sqrt(2 * self.config.num_hidden_layers) if self.config.scale_residual_init else 1.0
-            init.normal_(module.weight, mean=0.0, std=hidden_std / scale)
-            if self.config.zero_residual_init:  # every block starts as the identity (modded-nanogpt, 2024-10-14);
-                init.zeros_(module.weight)  # drawn first, so every other tensor draws what it would without
-            if module.bias is not None:
-                init.zeros_(module.bias)
-            return
-        if self.config.parametrization == "mup" and getattr(module, "is_hidden_matrix", False):
-            init.normal_(module.weight, mean=0.0, std=hidden_std)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-            return
-        if isinstance(module, DecoderLabValueResidual):
-            init.constant_(module.weight, 0.5)  # half the layer's own values, half the first layer's
-            return
-        super()._init_weights(module)  # Linear (lm_head, score), Embedding, norms, and the RoPE buffers
-        if isinstance(module, DecoderLabLearnedPositionalEmbedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, DecoderLabSinusoidalPositionalEmbedding):
+        """Each parameter of ``module`` starts as its role's rule says (``roles_decoderlab.RULES``, its init column;
+        ``init_std`` gives the standard deviations), and the buffers that are tables are computed again."""
+        for param in module.parameters(recurse=False):
+            role = self.role_of(param, module)
+            how = init_of(role.role)
+            if how == "ones":
+                init.ones_(param)
+            elif how == "zeros":
+                init.zeros_(param)
+            elif how == "own" and hasattr(module, "initial_value"):  # a scalar's value; LoRA adapters start as PEFT makes them
+                init.constant_(param, module.initial_value)
+            elif how != "own":
+                init.normal_(param, mean=0.0, std=init_std(role, self.config))
+                if how == "residual" and self.config.zero_residual_init:
+                    # every block starts as the identity (modded-nanogpt); drawn first, so the tensors after it
+                    # draw what they would without
+                    init.zeros_(param)
+        if isinstance(module, DecoderLabSinusoidalPositionalEmbedding):
             init.copy_(module.table, module.compute_table())
+        elif isinstance(module, DecoderLabRotaryEmbedding):
+            super()._init_weights(module)  # transformers' RoPE buffers
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # save_pretrained writes auto_map only for the class being saved and its config; name every

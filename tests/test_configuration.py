@@ -60,6 +60,7 @@ NON_DEFAULT_FIELDS = dict(
     embedding_initializer_range=0.3,
     parametrization="mup",
     mup_base_width=48,
+    mup_base_shapes={"intermediate_size": 200, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 32},
     mup_output_multiplier=2.5,
     use_cache=False,
     pad_token_id=0,
@@ -67,7 +68,7 @@ NON_DEFAULT_FIELDS = dict(
     eos_token_id=[2, 3],
 )
 
-MUP_FIELDS = ("parametrization", "mup_base_width", "mup_output_multiplier")
+MUP_FIELDS = ("parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier")
 # the fields muP does not combine with (final_logit_softcapping: vLLM would cap before muP's factor), set on the
 # standard parametrization instead
 NON_DEFAULT_STANDARD_FIELDS = {

@@ -41,7 +41,7 @@ def test_the_knob_hides_avx512_amx_and_bf16_from_torch_and_onednn():
     """With the variables set, torch dispatches its AVX2 kernels, oneDNN reports no bf16 (what ``cpu_has_bf16``
     and the refusal of --mixed_precision bf16 read), and every benchmark's machine line says so."""
     code = (
-        "import torch; from training.loop import cpu_has_bf16; from benchmarks.common import machine_line\n"
+        "import torch; from training.hardware import cpu_has_bf16; from benchmarks.common import machine_line\n"
         "print(torch.backends.cpu.get_cpu_capability(), cpu_has_bf16()); print(machine_line(1))"
     )
     result = run_held(code)
@@ -52,15 +52,17 @@ def test_the_knob_hides_avx512_amx_and_bf16_from_torch_and_onednn():
 
 
 def test_bf16_mixed_precision_is_refused_on_a_cpu_without_bf16_for_real():
-    """The refusal tests/test_pretrain_training.py shows with cpu_has_bf16 replaced, here with nothing replaced:
-    make_accelerator stops --mixed_precision bf16 with its message; ``allow_emulated_bf16`` (for the tests and
-    benchmarks that check dtypes and bytes, not speed) builds the Accelerator, in bf16."""
+    """The refusal tests/test_preflight.py shows with the hardware's answer replaced, here with nothing replaced: the
+    pre-flight check stops --mixed_precision bf16 with its message; ``allow_emulated_bf16`` (for the tests and
+    benchmarks that check dtypes and bytes, not speed) lets it pass, and the Accelerator runs in bf16."""
     code = (
         "from training.args import TrainConfig; from training.loop import make_accelerator\n"
-        "cfg = TrainConfig(mixed_precision='bf16')\n"
-        "print(make_accelerator(cfg, cpu=True, allow_emulated_bf16=True).mixed_precision)\n"
-        "make_accelerator(cfg, cpu=True)"
+        "from training.preflight import preflight\n"
+        "cfg = TrainConfig(mixed_precision='bf16', dataset_name='x', output_dir='/nonexistent/run')\n"
+        "preflight(cfg, cpu=True, allow_emulated_bf16=True)\n"
+        "print(make_accelerator(cfg, cpu=True).mixed_precision)\n"
+        "preflight(cfg, cpu=True)"
     )
     result = run_held(code)
     assert result.returncode == 1 and result.stdout.strip() == "bf16", result.stderr[-3000:]
-    assert "ValueError: --mixed_precision bf16 on a CPU without bfloat16 instructions" in result.stderr
+    assert "UsageError: --mixed_precision bf16 on a CPU without bfloat16 instructions" in result.stderr

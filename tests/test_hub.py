@@ -234,7 +234,7 @@ def test_push_uploads_a_loadable_repository(hub, checkpoint, pushed):
     files = set(api.list_repo_files(repo_id, revision=commit))
     assert {
         "config.json", "configuration_decoderlab.py", "modeling_decoderlab.py", "kernels_decoderlab.py",
-        "compat_decoderlab.py", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", "metrics.jsonl",
+        "roles_decoderlab.py", "compat_decoderlab.py", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md", "metrics.jsonl",
         "training_curve.png",
     } <= files  # fmt: skip
     assert not any(name.startswith("checkpoint-10") for name in files)

@@ -11,7 +11,7 @@ import decoderlab
 
 PACKAGE = pathlib.Path(decoderlab.__file__).parent
 # The files save_pretrained copies into every checkpoint (tests/test_save_load.py checks the copy itself)
-TRAVELLING = {"configuration_decoderlab", "modeling_decoderlab", "kernels_decoderlab", "compat_decoderlab"}
+TRAVELLING = {"configuration_decoderlab", "modeling_decoderlab", "kernels_decoderlab", "roles_decoderlab", "compat_decoderlab"}
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -25,6 +25,7 @@ from training import evaluate, finetune, generate, pretrain
 from training.args import TrainConfig, parse_config
 from training.data import check_unknown_characters, train_char_tokenizer
 from training.loop import non_finite_error
+from training.preflight import preflight
 
 TINY = [
     "--block_size", "16", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--num_warmup_steps", "1",
@@ -98,7 +99,7 @@ def test_flag_mistakes_are_usage_errors_naming_the_flag(flags, message):
     architecture they cannot change (pretrain.py trained it silently and recorded the fields), a block longer than
     the new model's positions (RoPE included: its config said 64, its card 128), and flags that contradict."""
     with pytest.raises(UsageError, match=message):
-        parse_config(TrainConfig, flags)
+        preflight(parse_config(TrainConfig, flags))
 
 
 def test_window_sampling_is_refused_where_examples_are_trained_whole():
@@ -108,8 +109,8 @@ def test_window_sampling_is_refused_where_examples_are_trained_whole():
 
     base = ["--model_name_or_path", "out/x", "--train_file", "chat.jsonl", "--window_sampling", "shifted"]
     with pytest.raises(UsageError, match="window_sampling='shifted' draws windows from one packed text"):
-        parse_config(FinetuneConfig, [*base, "--data_format", "chat"])
-    parse_config(FinetuneConfig, [*base, "--data_format", "text"])  # packed text: windows apply
+        preflight(parse_config(FinetuneConfig, [*base, "--data_format", "chat"]))
+    preflight(parse_config(FinetuneConfig, [*base, "--data_format", "text"]))  # packed text: windows apply
 
 
 def test_a_recipe_that_is_not_yaml_is_named(tmp_path):
@@ -468,4 +469,4 @@ def test_encoding_latin_1_trains_on_the_file_as_written(tmp_path, latin_1_file):
     with pytest.raises(ValueError, match="encoding='latin-2000' is not a text encoding Python knows"):
         parse_config(TrainConfig, ["--encoding", "latin-2000"])
     with pytest.raises(ValueError, match="applies to --train_file and --validation_file"):
-        parse_config(TrainConfig, ["--encoding", "latin-1", "--dataset_name", "karpathy/tiny_shakespeare"])
+        preflight(parse_config(TrainConfig, ["--encoding", "latin-1", "--dataset_name", "karpathy/tiny_shakespeare"]))

@@ -1,4 +1,4 @@
-"""parametrization: mup (issue 47): muP's initialisation, attention scale, output multiplier and learning rates, the
+"""parametrization: mup: muP's initialisation, attention scale, output multiplier and learning rates, the
 coordinate check that shows them working together, and every way a muP model leaves decoderlab (checkpoints,
 --to llama / qwen3 / gguf, resumed runs) computing the same function or refused by name.
 
@@ -29,8 +29,9 @@ from tests.paths import INPUT_TXT, REPO_ROOT
 from tests.training_runs import subprocess_env, text_files_in
 from training import mup_tune, pretrain
 from training.args import TrainConfig, parse_config
-from training.checkpointing import check_resume_fits
+from training.checkpointing import STATE_NAME
 from training.data import train_char_tokenizer
+from training.preflight import preflight
 
 MUP = dict(parametrization="mup", mup_base_width=16)  # with conftest's hidden_size 64: m = 4
 
@@ -236,7 +237,8 @@ def test_mup_tune_writes_the_wide_recipe_with_the_best_rate(text_files, tmp_path
     recipe.write_text(yaml.safe_dump({
         "block_size": 16, "per_device_train_batch_size": 4, "max_train_steps": 4, "num_warmup_steps": 1,
         "eval_steps": 2, "learning_rate": 3e-3, "embedding_learning_rate": 6e-3,
-        "model": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 64},
+        "model": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 64,
+                  "parametrization": "mup", "mup_base_width": 16, "mup_output_multiplier": 2.0},
     }))  # fmt: skip
     train_file, validation_file = text_files
     out = tmp_path / "wide.yaml"
@@ -252,14 +254,49 @@ def test_mup_tune_writes_the_wide_recipe_with_the_best_rate(text_files, tmp_path
     proxy = yaml.safe_load((tmp_path / "work" / "lr_0.004" / "config.json").read_text())
     assert (proxy["hidden_size"], proxy["num_hidden_layers"], proxy["num_attention_heads"]) == (32, 4, 1)
     assert proxy["parametrization"] == "mup" and proxy["mup_base_width"] == 32 and proxy["intermediate_size"] == 64
+    assert proxy["mup_output_multiplier"] == 2.0  # every mup_* field of the recipe is kept; the base is the proxy
     text = out.read_text()
     assert "UNMEASURED" in text and "mup_tune.py" in text
+    # the header's groups are the ones the wide recipe trains with, from training/optim.py's record
+    assert "# Optimizer groups at the 128 width (training/optim.py's rules; a record, not a setting):" in text
+    assert f"#   matrices: AdamW, lr {wide_rate(best):g} (x 0.25, muP), wd 0.1, " in text
     wide = parse_config(TrainConfig, ["--config", str(out)])
     assert wide.learning_rate == pytest.approx(best, rel=1e-2)
     assert wide.embedding_learning_rate == pytest.approx(2 * best, rel=1e-2)
     assert wide.max_train_steps == 8 and wide.train_file is None  # the flags, but not where the data was
     assert wide.model == {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-                          "intermediate_size": 256, "parametrization": "mup", "mup_base_width": 32}  # fmt: skip
+                          "intermediate_size": 256, "mup_output_multiplier": 2.0, "parametrization": "mup",
+                          "mup_base_width": 32, "mup_base_shapes": {"intermediate_size": 64, "num_attention_heads": 1,
+                          "num_key_value_heads": 1, "head_dim": 32}}  # fmt: skip
+
+
+def wide_rate(rate: float) -> float:
+    """A rate as the written recipe holds it (three significant digits), times muP's 1/4 at the 128 width."""
+    return float(f"{rate:.3g}") / 4
+
+
+def test_mup_tune_sweeps_the_rate_the_blocks_matrices_train_at(tmp_path):
+    """Under AdamW mup_tune sweeps learning_rate (muP divides it by each hidden matrix's m) and the token embeddings'
+    own rate keeps its ratio; under Muon it sweeps muon_learning_rate (the blocks' matrices are Muon's, which muP
+    leaves without a factor) and leaves AdamW's rates as the recipe has them. The header's groups say so, from the
+    wide model's own groups."""
+    recipe = TrainConfig(learning_rate=1e-3, embedding_learning_rate=4e-3)
+    tune = mup_tune.TuneConfig(recipe="x.yaml")
+    assert mup_tune.swept_rate(tune, recipe) == "learning_rate"
+    assert mup_tune.rate_flags("learning_rate", 2e-3, 4.0) == {"learning_rate": 2e-3, "embedding_learning_rate": 8e-3}
+    muon = TrainConfig(optimizer="muon", learning_rate=1e-3)
+    assert mup_tune.swept_rate(tune, muon) == "muon_learning_rate"
+    assert mup_tune.rate_flags("muon_learning_rate", 0.03, 4.0) == {"muon_learning_rate": 0.03}
+    assert mup_tune.swept_rate(mup_tune.TuneConfig(recipe="x.yaml", rate="embedding_learning_rate"), muon) == (
+        "embedding_learning_rate"
+    )
+    wide = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "parametrization": "mup",
+            "mup_base_width": 32}  # fmt: skip
+    header = mup_tune.wide_groups(wide, {"optimizer": "muon", "muon_learning_rate": 0.03, "learning_rate": 1e-3})
+    assert "#   muon_matrices: Muon, lr 0.03 (x 1, muP), wd 0, " in header
+    assert "#   output: AdamW, lr 0.001, wd 0.1, " in header and "matrices: AdamW" not in header
+    with pytest.raises(UsageError, match="rate='momentum' is not a rate of the recipe"):
+        parse_config(mup_tune.TuneConfig, ["x.yaml", "--rate", "momentum"])
 
 
 def test_mup_tune_refuses_what_it_cannot_tune(tmp_path):
@@ -283,6 +320,7 @@ def recorded_run(folder, model: dict) -> object:
     (folder / "training_config.yaml").write_text(yaml.safe_dump(TrainConfig(model=model).to_dict()))
     checkpoint = folder / "step_10"
     checkpoint.mkdir()
+    (checkpoint / STATE_NAME).write_text(json.dumps({"step": 10}))
     return checkpoint
 
 
@@ -295,16 +333,17 @@ def recorded_run(folder, model: dict) -> object:
         ({"mup_output_multiplier": 2.0}, "model.mup_output_multiplier: 1.5 -> 2.0"),
     ],
 )
-def test_a_resume_with_other_mup_settings_is_refused(tmp_path, tiny_model, given, named):
+def test_a_resume_with_other_mup_settings_is_refused(tmp_path, given, named):
     """Changing a muP setting between a run and its resume changes its learning rates, init and logits: the resume
-    is refused, naming the setting with the checkpoint's value and the given one."""
+    is refused before anything is read, naming the setting with the checkpoint's value and the given one."""
     before = dict(hidden_size=256, num_attention_heads=4, parametrization="mup", mup_base_width=128,
                   mup_output_multiplier=1.5)  # fmt: skip
     checkpoint = recorded_run(tmp_path, before)
     after = {key: value for key, value in {**before, **given}.items() if value is not None}
+    resume = dict(resume_from_checkpoint=str(checkpoint), output_dir=str(tmp_path))
     with pytest.raises(UsageError, match=f"does not fit this run.*{named}"):
-        check_resume_fits(checkpoint, TrainConfig(model=after), tiny_model())
-    check_resume_fits(checkpoint, TrainConfig(model=before), tiny_model())  # the same settings resume
+        preflight(TrainConfig(model=after, **resume))
+    preflight(TrainConfig(model=before, **resume))  # the same settings resume
 
 
 # ----------------------------------------------------------------------------------------------

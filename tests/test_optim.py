@@ -21,7 +21,6 @@ from training.optim import (
     groups_text,
     make_optimizer,
     make_scheduler,
-    mup_lr_multiplier,
     newton_schulz_dtype,
     param_groups,
     recorded_groups,
@@ -246,7 +245,7 @@ def test_batched_muon_in_float32_is_muons_arithmetic():
 def test_newton_schulz_dtype_auto_follows_the_hardware():
     """muon_ns_dtype auto: bfloat16 on an accelerator and on a CPU that computes bfloat16 in hardware (oneDNN's
     answer, as for --mixed_precision bf16), float32 on any other CPU; a dtype given is used as given, and recorded."""
-    from training.loop import cpu_has_bf16
+    from training.hardware import cpu_has_bf16
 
     assert newton_schulz_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert newton_schulz_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
@@ -321,25 +320,13 @@ def test_mup_rates_keep_their_ratio_through_the_schedule_and_are_recorded(tiny_c
     assert "#   output: AdamW, lr 0.001, wd 0.1, 6,336 parameters in 1 tensor\n" in comment
 
 
-def test_mup_has_no_rule_for_an_optimizer_it_does_not_know(tiny_config):
-    """muP's factor depends on the optimizer (1/m for Adam; Muon's orthogonalised update needs none): a rule
-    without one is refused by name rather than given Adam's."""
-    config = tiny_config(parametrization="mup", mup_base_width=16)
-    assert mup_lr_multiplier(config) == 0.25 and mup_lr_multiplier(tiny_config()) == 1.0
-    assert mup_lr_multiplier(config, "muon") == 1.0
-    with pytest.raises(ValueError, match=r"no learning-rate rule for the optimizer 'sgd'; it has one for 'adamw' and"):
-        mup_lr_multiplier(config, "sgd")
-
-
-def test_mup_with_muon_leaves_muons_rate_alone_and_refuses_the_rule_that_grows_with_width(tiny_config):
+def test_mup_with_muon_leaves_muons_rate_alone(tiny_config):
     """muP and Muon together: AdamW's groups keep muP's rules (an untied head in output), the blocks' matrices are
-    Muon's at muon_learning_rate with no width factor (recorded as x 1); muon_adjust_lr_fn match_rms_adamw, whose
-    update grows like sqrt(width), is refused by name."""
+    Muon's at muon_learning_rate with no width factor (recorded as x 1). (muon_adjust_lr_fn match_rms_adamw, whose
+    update grows like sqrt(width), is refused by the pre-flight check: tests/test_preflight.py.)"""
     model = decoderlab.DecoderLabForCausalLM(tiny_config(parametrization="mup", mup_base_width=16))  # m = 4
     cfg = TrainConfig(learning_rate=1e-3, optimizer="muon", muon_learning_rate=0.02)
     recorded = {g["name"]: g for g in recorded_groups(model, make_optimizer(model, cfg))}
     assert list(recorded) == ["other", "muon_matrices", "output"]
     assert (recorded["muon_matrices"]["lr"], recorded["muon_matrices"]["lr_multiplier"]) == (0.02, 1.0)
     assert recorded["output"]["lr"] == 1e-3 and recorded["muon_matrices"]["tensors"] == 14
-    with pytest.raises(ValueError, match=r"muon_adjust_lr_fn='match_rms_adamw' with a muP model"):
-        make_optimizer(model, TrainConfig(optimizer="muon", muon_adjust_lr_fn="match_rms_adamw"))

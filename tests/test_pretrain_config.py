@@ -7,6 +7,7 @@ import yaml
 
 from training.args import TrainConfig, parse_config
 from training.finetune_args import FinetuneConfig
+from training.preflight import preflight
 
 CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "training" / "configs").glob("*.yaml"))
 
@@ -138,9 +139,10 @@ def test_unknown_flag_and_unknown_model_field():
     ],
 )
 def test_invalid_values(argv, message):
-    """Impossible values fail before any data is loaded, with the field, the value and what to do."""
+    """Impossible values, and values that do not fit each other, fail before any data is loaded (parsing, then the
+    pre-flight check), with the field, the value and what to do."""
     with pytest.raises(ValueError, match=message):
-        parse_config(TrainConfig, argv)
+        preflight(parse_config(TrainConfig, argv))
 
 
 def test_missing_config_file():

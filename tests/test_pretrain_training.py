@@ -31,14 +31,12 @@ from tests.training_runs import (
     text_files_in,
     train_losses,
 )
-from training import checkpointing, loop, pretrain
+from training import checkpointing, loop, preflight, pretrain
 from training.args import TrainConfig, parse_config
 from training.checkpointing import TrainState, list_checkpoints, resolve_checkpoint, save_checkpoint, save_final_folder
 from training.data import BlockBatches, train_char_tokenizer
 from training.loop import (
     NonFiniteLossError,
-    check_bf16_cpu,
-    check_fsdp_launch,
     evaluate,
     make_accelerator,
     train,
@@ -147,16 +145,6 @@ def test_deepspeed_launch_that_cannot_shard_is_refused(launch_env):
     assert "whole model (nothing sharded)" in str(error.value) and "cpu_ddp.yaml" in str(error.value)
 
 
-def test_muon_under_deepspeed_is_refused_by_name(launch_env):
-    """--optimizer muon in a DeepSpeed launch: ZeRO steps the optimizer on flat 1-D partitions, which Muon cannot
-    orthogonalise, so the launch stops naming Muon, DeepSpeed and what works instead (on any device: checked before
-    the Accelerator is built)."""
-    launch_env.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(ValueError, match="--optimizer muon cannot run under DeepSpeed") as error:
-        make_accelerator(TrainConfig(optimizer="muon"))
-    assert "--optimizer adamw" in str(error.value) and "FSDP2" in str(error.value)
-
-
 def test_launch_without_sharding_is_unaffected(launch_env):
     """No sharding asked for, or the variables set to "false" (read as Accelerate reads them): the Accelerator
     is built as before."""
@@ -166,42 +154,11 @@ def test_launch_without_sharding_is_unaffected(launch_env):
     assert make_accelerator(TrainConfig()).distributed_type == "NO"
 
 
-def test_fsdp_flag_that_cannot_shard_is_refused(launch_env):
-    """--fsdp in one process (nothing to shard over), beside an Accelerate FSDP launch (sharding twice), or with
-    mixed precision (not supported by this path): each a ValueError while the Accelerator is built, before any data,
-    naming the flag and what to do instead."""
-    with pytest.raises(ValueError, match="this run has one. Launch it with `torchrun --standalone --nproc_per_node 2"):
-        make_accelerator(TrainConfig(fsdp=True))
-    with pytest.raises(ValueError, match="--mixed_precision bf16 is not supported with it"):
-        check_fsdp_launch(TrainConfig(fsdp=True, mixed_precision="bf16"), TwoProcesses())
-    launch_env.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ValueError, match="asks Accelerate for FSDP already: drop --fsdp"):
-        check_fsdp_launch(TrainConfig(fsdp=True), TwoProcesses())
-
-
-class TwoProcesses:
-    """What check_fsdp_launch reads of an Accelerator, for a launch of two processes."""
-
-    num_processes = 2
-
-
-def test_bf16_on_a_cpu_without_bf16_is_refused(monkeypatch):
-    """Accelerate accepts --mixed_precision bf16 on every CPU; on one without bfloat16 instructions (here: oneDNN's
-    answer replaced by "none") the run stops before the Accelerator is built, saying why and what to use. With
-    them, in float32, or off the CPU, the check passes."""
-    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: False)
-    with pytest.raises(ValueError, match="--mixed_precision bf16 on a CPU without bfloat16 instructions") as error:
-        make_accelerator(TrainConfig(mixed_precision="bf16"))
-    assert "Use --mixed_precision no" in str(error.value)
-    check_bf16_cpu(TrainConfig(mixed_precision="no"), cpu=True)
-    check_bf16_cpu(TrainConfig(mixed_precision="bf16"), cpu=False)
-    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: True)
-    check_bf16_cpu(TrainConfig(mixed_precision="bf16"), cpu=True)
-
-
 def test_bf16_refusal_stops_the_script_before_any_data(tmp_path, text_files, monkeypatch):
-    """The same refusal through pretrain.py's main(): nothing is read or written."""
-    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: False)
+    """--mixed_precision bf16 on a CPU without bfloat16 instructions (oneDNN's answer replaced by "none"), through
+    pretrain.py's main(): the pre-flight check stops it, and nothing is read or written (tests/test_preflight.py has
+    the check itself, tests/test_cpu_features.py the same on a CPU held to AVX2)."""
+    monkeypatch.setattr(preflight, "cpu_has_bf16", lambda: False)
     with pytest.raises(ValueError, match="without bfloat16 instructions"):
         pretrain.main(tiny_argv(text_files, tmp_path / "bf16", "--mixed_precision", "bf16"))
     assert not (tmp_path / "bf16").exists()

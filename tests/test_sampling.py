@@ -21,6 +21,7 @@ from training import data, prepare_data, pretrain
 from training.args import TrainConfig
 from training.data import BlockBatches, training_batches
 from training.loop import make_accelerator
+from training.preflight import preflight
 from training.sampling import SAMPLERS, TokenWindows, WindowBatches
 from training.token_shards import PreparedData
 
@@ -158,7 +159,7 @@ def test_bad_window_input_is_refused_by_name():
     with pytest.raises(ValueError, match="window_sampling must be one of 'blocks', 'random', 'shifted', 'permutation'"):
         TrainConfig(window_sampling="offsets")
     with pytest.raises(ValueError, match="a stream .* never holds: stream with window_sampling blocks"):
-        TrainConfig(window_sampling="random", streaming=True)
+        preflight(TrainConfig(window_sampling="random", streaming=True))
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)

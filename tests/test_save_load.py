@@ -23,6 +23,7 @@ CHECKPOINT_FILES = {
     "configuration_decoderlab.py",
     "modeling_decoderlab.py",
     "kernels_decoderlab.py",
+    "roles_decoderlab.py",
     "compat_decoderlab.py",
 }
 

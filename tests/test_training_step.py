@@ -79,7 +79,7 @@ def run_steps(tmp_path, steps: int, mixed_precision: str = "no", model=None) -> 
                       eval_steps=None, checkpointing_steps=None, per_device_eval_batch_size=8,
                       mixed_precision=mixed_precision, learning_rate=1e-3, num_warmup_steps=0)  # fmt: skip
     # bf16 in software where the CPU has no bf16 instructions: slower, the same dtypes (what these tests check)
-    accelerator = make_accelerator(cfg, cpu=True, allow_emulated_bf16=True)
+    accelerator = make_accelerator(cfg, cpu=True)
     with recorded_syncs() as events:
         result = train(model, BlockBatches(blocks, 4, seed=0), blocks[:8], cfg, accelerator, show_progress=False)
     return events, result
@@ -129,7 +129,7 @@ def test_mixed_precision_training_makes_no_float32_logits(tmp_path):
 
 def test_outputs_in_compute_dtype_keeps_the_loss_and_changes_nothing_without_the_wrapper():
     """The same float32 loss with and without Accelerate's float32 wrapper; a model that has none is untouched."""
-    accelerator = make_accelerator(TrainConfig(mixed_precision="bf16"), cpu=True, allow_emulated_bf16=True)
+    accelerator = make_accelerator(TrainConfig(mixed_precision="bf16"), cpu=True)
     model = accelerator.prepare(tiny())
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():

@@ -255,24 +255,7 @@ class TrainConfig(Config):
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of {schedulers}.")
-        self.check_data()
-        if self.tokenizer_type == "pretrained" and not self.tokenizer_name:
-            raise ValueError("tokenizer_type='pretrained' needs --tokenizer_name (a Hub id or a tokenizer folder).")
-        if self.tokenizer_type == "bpe" and self.bpe_vocab_size < 257:
-            raise ValueError(
-                f"bpe_vocab_size={self.bpe_vocab_size} is too small: a byte-level BPE needs the 256 bytes plus "
-                "its end-of-text token. Use 257 or more (a few thousand is typical)."
-            )
-        if self.streaming and self.window_sampling != "blocks":
-            raise ValueError(
-                f"window_sampling={self.window_sampling!r} draws windows from the whole training text, which a stream "
-                "(streaming=True) never holds: stream with window_sampling blocks, or prepare the data once "
-                "(training/prepare_data.py) and train on it with --prepared_data."
-            )
-        if self.streaming and self.max_train_steps is None:
-            raise ValueError(
-                "streaming=True needs --max_train_steps: a streamed dataset has no length to count epochs."
-            )
+        self.check_files()
         self.check_best_model()
         if self.torch_compile_backend is not None:
             self.check_compile_backend()
@@ -282,31 +265,10 @@ class TrainConfig(Config):
                 "none saves on checkpointing_steps only."
             )
         parse_stop_signals(self.stop_signals)  # a ValueError naming an unknown signal or one this platform lacks
-        if self.push_to_hub and not self.hub_model_id:
-            raise ValueError("push_to_hub=True needs --hub_model_id ORG/NAME, the Hub repository to upload to.")
         check_model_fields(self.model)
-        if self.model_name_or_path is not None and self.model:
-            raise ValueError(
-                f"--model_name_or_path {self.model_name_or_path} trains that checkpoint's architecture, so the model "
-                f"fields {self.model} cannot apply. Remove the model mapping / --model.FIELD flags to train on from "
-                "it, or drop --model_name_or_path to train a new model of those fields from scratch."
-            )
-        if self.overwrite_output_dir and self.resume_from_checkpoint is not None:
-            raise ValueError(
-                "--overwrite_output_dir replaces the run in output_dir and --resume_from_checkpoint continues it: "
-                "pass one of them."
-            )
-        positions = self.model.get("max_position_embeddings")
-        if isinstance(positions, int) and positions < self.block_size:
-            raise ValueError(
-                f"--block_size {self.block_size} is longer than model.max_position_embeddings={positions}: the "
-                f"model's config (and card) would promise a context of {positions} tokens for a model trained on "
-                f"{self.block_size}. Raise --model.max_position_embeddings to at least {self.block_size} (or leave "
-                "it unset: it follows --block_size), or lower --block_size."
-            )
 
     def check_muon(self) -> None:
-        """Muon's settings, checked whatever the optimizer (a recipe may switch it on the command line)."""
+        """Muon's settings, each in its range (whether they may be set at all is the pre-flight check's question)."""
         if not self.muon_learning_rate > 0:
             raise ValueError(f"muon_learning_rate must be positive, got {self.muon_learning_rate}.")
         if self.muon_weight_decay < 0:
@@ -317,11 +279,6 @@ class TrainConfig(Config):
             raise ValueError(f"muon_ns_steps must be from 1 to 99 Newton-Schulz iterations, got {self.muon_ns_steps}.")
 
     def check_compile_backend(self) -> None:
-        if not self.torch_compile:
-            raise ValueError(
-                f"torch_compile_backend={self.torch_compile_backend!r} is set but torch_compile is false: add "
-                "--torch_compile true, or drop the backend."
-            )
         import torch._dynamo  # only here: reading a configuration does not import the compiler otherwise
 
         backends = torch._dynamo.list_backends(exclude_tags=())
@@ -332,8 +289,8 @@ class TrainConfig(Config):
             )
 
     def check_best_model(self) -> None:
-        """The best-model fields: a metric the evaluation logs (its canonical key replaces an alias), evaluation
-        on, a positive patience and a threshold that is not negative; greater_is_better derived when unset."""
+        """The best-model fields: a metric the evaluation logs (its canonical key replaces an alias), a positive
+        patience and a threshold that is not negative; greater_is_better derived when unset."""
         if self.metric_for_best_model not in BEST_MODEL_METRICS:
             raise ValueError(
                 f"metric_for_best_model={self.metric_for_best_model!r} is never logged: the evaluation logs "
@@ -350,34 +307,14 @@ class TrainConfig(Config):
             )
         if self.early_stopping_threshold < 0:
             raise ValueError(f"early_stopping_threshold cannot be negative, got {self.early_stopping_threshold}.")
-        wanted = [name for name in ("load_best_model_at_end", "early_stopping_patience") if getattr(self, name)]
-        if wanted and self.eval_steps is None:
-            raise ValueError(
-                f"{' and '.join(wanted)} need periodic evaluations to compare, but eval_steps is none. "
-                "Set --eval_steps N (e.g. 250), or turn them off: "
-                + ", ".join(f"--{name} {'false' if name == 'load_best_model_at_end' else 'none'}" for name in wanted)
-                + "."
-            )
 
-    def check_data(self) -> None:
-        if self.prepared_data is None:  # prepared shards are checked when they are opened
-            self.check_source()
-
-    def check_source(self) -> None:
-        if self.train_file is None and self.dataset_name is None:
-            raise ValueError("No data: pass --dataset_name (a Hub id or a local dataset folder) or --train_file.")
-        if self.validation_file is not None and self.train_file is None:
-            raise ValueError("validation_file needs train_file: give both local files, or use dataset_name alone.")
+    def check_files(self) -> None:
+        """The data files' suffixes and the text encoding's name (whether they fit the data source: preflight)."""
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
             if path is not None and pathlib.Path(path).suffix not in DATA_FILE_SUFFIXES:
                 raise ValueError(f"{name}={path!r} must end in one of {', '.join(DATA_FILE_SUFFIXES)}.")
         check_encoding_name(self.encoding)
-        if self.train_file is None and codecs.lookup(self.encoding).name != "utf-8":
-            raise ValueError(
-                f"encoding={self.encoding!r} applies to --train_file and --validation_file, but the data comes from "
-                f"dataset_name={self.dataset_name!r}, read as the dataset stores it. Drop --encoding."
-            )
 
 
 def check_encoding_name(encoding: str) -> None:
@@ -412,9 +349,6 @@ class PrepareConfig(TrainConfig):
             self.output_dir = self.prepared_data
         if self.output_dir is None:
             raise ValueError("Where should the shards go? Pass --output_dir DATA (or set prepared_data in the recipe).")
-
-    def check_data(self) -> None:
-        self.check_source()
 
 
 def check_model_fields(model: dict) -> None:
@@ -529,10 +463,16 @@ def parse_scalar(value):
 
 def parse_model_value(field_name: str, value):
     """A ``DecoderLabConfig`` field's value: a named choice stays a string (``position_embedding_type``
-    ``none`` is the choice "none", not None); anything else is parsed like any scalar."""
+    ``none`` is the choice "none", not None); a mapping field takes a YAML flow mapping
+    (``--model.mup_base_shapes "{intermediate_size: 512}"``); anything else is parsed like any scalar."""
     hint = DecoderLabConfig.__annotations__.get(field_name)
     if typing.get_origin(hint) is Literal and value in typing.get_args(hint):
         return value
+    if isinstance(value, str) and value.lstrip().startswith("{") and dict in typing.get_args(hint):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value  # the config names the field and the type it wants
     return parse_scalar(value)
 
 

@@ -35,7 +35,6 @@ import torch
 import yaml
 from accelerate import Accelerator
 
-from decoderlab import DecoderLabConfig
 from decoderlab.cli import UsageError, UserError
 
 from .sharding import is_sharded, load_sharded, save_sharded, unsharded_copy
@@ -184,15 +183,21 @@ def rotate_checkpoints(output_dir, total_limit: int | None, keep_step: int | Non
 
 
 def resolve_checkpoint(spec: str | None, output_dir) -> pathlib.Path | None:
-    """The folder ``--resume_from_checkpoint`` names: ``latest`` (None when there is none yet) or a path."""
+    """The folder ``--resume_from_checkpoint`` names: ``latest`` (None when there is none yet, said in the log) or a
+    path."""
+    checkpoint = find_checkpoint(spec, output_dir)
+    if spec == "latest" and checkpoint is None:
+        logger.info(f"--resume_from_checkpoint latest: no checkpoint in {output_dir} yet, starting from scratch.")
+    return checkpoint
+
+
+def find_checkpoint(spec: str | None, output_dir) -> pathlib.Path | None:
+    """``resolve_checkpoint`` without a word in the log (the pre-flight check looks before logging is set up)."""
     if spec is None:
         return None
     if spec == "latest":
         checkpoints = list_checkpoints(output_dir)
-        if not checkpoints:
-            logger.info(f"--resume_from_checkpoint latest: no checkpoint in {output_dir} yet, starting from scratch.")
-            return None
-        return checkpoints[-1]
+        return checkpoints[-1] if checkpoints else None
     path = pathlib.Path(spec)
     if not (path / STATE_NAME).is_file():
         found = ", ".join(p.name for p in list_checkpoints(output_dir)) or "none"
@@ -409,7 +414,7 @@ WRAPPER_PREFIXES = ("module.", COMPILED_PREFIX)  # DDP's and torch.compile's, in
 
 def record_config(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | None) -> None:
     """Write ``cfg`` (the resolved configuration) into ``output_dir/training_config.yaml`` before the first step of a
-    new run, so that a resume from one of its checkpoints can be compared with it (``check_resume_fits``); the final
+    new run, so that a resume from one of its checkpoints can be compared with it (``preflight.resume_fits``); the final
     folder writes it again. A resumed run (``checkpoint``) leaves the record as it is until it finishes."""
     if checkpoint is None and accelerator.is_main_process:
         folder = pathlib.Path(cfg.output_dir)
@@ -417,47 +422,26 @@ def record_config(accelerator: Accelerator, cfg, checkpoint: pathlib.Path | None
         (folder / CONFIG_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def check_resume_fits(checkpoint: pathlib.Path | None, cfg, model: torch.nn.Module) -> None:
-    """Before any weight is loaded from ``checkpoint``: a ``UsageError`` in one line naming every setting that
-    differs from the run that saved it (its ``training_config.yaml``, beside it: the checkpoint's value, then the one
-    given), or, where that record says nothing, every tensor whose name or shape differs from ``model``'s."""
-    if checkpoint is None:
+def check_resume_tensors(checkpoint: pathlib.Path | None, model: torch.nn.Module) -> None:
+    """For a checkpoint whose run left no ``training_config.yaml`` beside it (the pre-flight check compares the
+    settings of every other): a ``UsageError`` in one line naming every tensor whose name or shape differs from
+    ``model``'s, before any weight is loaded."""
+    if checkpoint is None or (pathlib.Path(checkpoint).parent / CONFIG_NAME).is_file():
         return
-    recorded_path = pathlib.Path(checkpoint).parent / CONFIG_NAME
-    recorded = yaml.safe_load(recorded_path.read_text()) if recorded_path.is_file() else None
-    given = cfg.to_dict()
-    differences = []
-    if isinstance(recorded, dict):
-        for name in SHAPING_FIELDS:
-            if recorded.get(name, _default(cfg, name)) != given.get(name):
-                differences.append(f"{name}: {recorded.get(name, _default(cfg, name))!r} -> {given.get(name)!r}")
-        from_scratch = recorded.get("model_name_or_path") is None and given.get("model_name_or_path") is None
-        before, now = (recorded.get("model") or {}, given.get("model") or {}) if from_scratch else ({}, {})
-        for name in sorted(set(before) | set(now)):
-            default = getattr(DecoderLabConfig(), name, None)
-            if before.get(name, default) != now.get(name, default):
-                differences.append(f"model.{name}: {before.get(name, default)!r} -> {now.get(name, default)!r}")
-        if (recorded.get("embedding_learning_rate") is None) != (cfg.embedding_learning_rate is None):
-            differences.append(  # a third optimizer group, or none
-                f"embedding_learning_rate: {recorded.get('embedding_learning_rate')!r} -> {cfg.embedding_learning_rate!r}"
-            )
-    if not differences:
-        differences = tensor_differences(pathlib.Path(checkpoint), model)
+    differences = tensor_differences(pathlib.Path(checkpoint), model)
     if differences:
-        shown = "; ".join(differences[:8]) + ("; ..." if len(differences) > 8 else "")
-        raise UsageError(
-            f"--resume_from_checkpoint {checkpoint} does not fit this run (checkpoint's value -> given): {shown}. "
-            f"Resume with the checkpoint's settings, or start a new run (another --output_dir, or "
-            "--overwrite_output_dir without --resume_from_checkpoint)."
-        )
+        raise UsageError(resume_refusal(checkpoint, differences))
 
 
-def _default(cfg, name: str):
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    if name not in fields:
-        return None
-    f = fields[name]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+def resume_refusal(checkpoint, differences: list[str]) -> str:
+    """The one line that refuses a resume from ``checkpoint``, naming what differs (the checkpoint's value -> the
+    given one)."""
+    shown = "; ".join(differences[:8]) + ("; ..." if len(differences) > 8 else "")
+    return (
+        f"--resume_from_checkpoint {checkpoint} does not fit this run (checkpoint's value -> given): {shown}. "
+        f"Resume with the checkpoint's settings, or start a new run (another --output_dir, or "
+        "--overwrite_output_dir without --resume_from_checkpoint)."
+    )
 
 
 def tensor_differences(checkpoint: pathlib.Path, model: torch.nn.Module) -> list[str]:

@@ -34,7 +34,7 @@ from decoderlab import DecoderLabConfig
 from decoderlab.model_card import public_dataset_name
 from training.args import parse_config
 from training.checkpointing import (
-    check_resume_fits,
+    check_resume_tensors,
     claim_output_dir,
     record_config,
     resolve_checkpoint,
@@ -49,6 +49,7 @@ from training.models import (
     load_base_tokenizer,
     missing_special_tokens,
 )
+from training.preflight import preflight
 from training.sft_data import prepare_finetune_data, set_chat_template
 
 logger = logging.getLogger("training.finetune")
@@ -106,6 +107,7 @@ def method(cfg: FinetuneConfig) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(FinetuneConfig, argv)
+    preflight(cfg)  # every setting that does not fit another, the launch or the hardware: before anything is read
     accelerator = make_accelerator(cfg)
     setup_script_logging(accelerator)
     set_seed(cfg.seed)
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{method(cfg)}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters train; "
         f"{accelerator.num_processes} process(es) on {accelerator.device}"
     )
-    check_resume_fits(checkpoint, cfg, model)
+    check_resume_tensors(checkpoint, model)
     record_config(accelerator, cfg, checkpoint)
     result = train(model, batches, eval_rows, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
     adapter_only = cfg.use_lora and not cfg.merge_lora

@@ -83,37 +83,10 @@ class FinetuneConfig(TrainConfig):
                 "mapping / --model.FIELD flags (convert or pretrain a different model instead)."
             )
         super().check()
-        if self.streaming and not (self.data_format == "text" and self.packing):
-            raise ValueError(
-                f"streaming=True works for packed text only, not data_format={self.data_format!r} with "
-                f"packing={self.packing}: examples are fitted to the block up front. Turn streaming off."
-            )
-        if self.window_sampling != "blocks" and not (self.data_format == "text" and self.packing):
-            raise ValueError(
-                f"window_sampling={self.window_sampling!r} draws windows from one packed text, but "
-                f"data_format={self.data_format!r} with packing={self.packing} trains on whole examples, one a row: "
-                "remove --window_sampling (or use --data_format text with packing)."
-            )
         if self.lora_r < 1 or self.lora_alpha <= 0:
             raise ValueError(f"lora_r and lora_alpha must be positive, got {self.lora_r} and {self.lora_alpha}.")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}.")
-        if self.use_lora and not self.target_modules():
-            raise ValueError("lora_target_modules is empty: name modules to adapt, e.g. q_proj,v_proj.")
-        if self.use_lora and self.optimizer == "muon":
-            raise ValueError(
-                "optimizer=muon with use_lora=True: LoRA trains each adapted matrix as two thin factors (r x in, "
-                "out x r), and Muon would orthogonalise each factor's update on its own, which is not the update of "
-                "the matrix they make (and no measurement here says it trains well). Fine-tune the adapters with "
-                "--optimizer adamw, or fine-tune every weight with Muon (drop --use_lora)."
-            )
-        if self.merge_lora and not self.use_lora:
-            raise ValueError("merge_lora=True needs use_lora=True: there is no adapter to merge in full fine-tuning.")
-        if self.push_to_hub and self.use_lora and not self.merge_lora:
-            raise ValueError(
-                "push_to_hub with an unmerged LoRA adapter: decoderlab pushes complete checkpoints only. Add "
-                "--merge_lora, or upload the adapter folder with peft's PeftModel.push_to_hub yourself."
-            )
 
     def target_modules(self) -> list[str]:
         return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]

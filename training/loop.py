@@ -17,7 +17,6 @@ import datetime
 import json
 import logging
 import math
-import os
 import pathlib
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from .checkpointing import (
     save_checkpoint,
 )
 from .data import Prefetched, count_targets, real_tokens
+from .hardware import SHARDING_ENGINES, requested_sharding, runs_on_cpu
 from .optim import make_optimizer, make_scheduler, recorded_groups
 from .preemption import StopControl
 from .sharding import is_sharded, shard_model, step_only_when_synced
@@ -62,23 +62,6 @@ class NonFiniteLossError(RuntimeError):
     def __init__(self, message: str, history: list[dict] | None = None):
         super().__init__(message)
         self.history = history if history is not None else []
-
-
-# The sharding engines an `accelerate launch` config (or --use_fsdp / --use_deepspeed) selects, by the environment
-# variable the launcher sets for them, and the distributed type Accelerate gives a run that really uses them.
-SHARDING_ENGINES = {
-    "FSDP": ("ACCELERATE_USE_FSDP", DistributedType.FSDP),
-    "DeepSpeed": ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
-}
-
-
-def requested_sharding() -> str | None:
-    """``"FSDP"`` or ``"DeepSpeed"`` when the launcher asked for that engine, else None; read as Accelerate reads
-    it (``accelerate/state.py``: the variable, lower-cased, equals ``"true"``)."""
-    for engine, (variable, _) in SHARDING_ENGINES.items():
-        if os.environ.get(variable, "false").lower() == "true":
-            return engine
-    return None
 
 
 def refuse_unsharded(state: PartialState | AcceleratorState) -> None:
@@ -114,63 +97,7 @@ def refuse_unsharded(state: PartialState | AcceleratorState) -> None:
     )
 
 
-def check_fsdp_launch(cfg: TrainConfig, accelerator: Accelerator) -> None:
-    """``--fsdp`` (torch's FSDP2, ``training/sharding.py``) needs several processes, a launch Accelerate does not
-    shard already, and full precision; otherwise a ValueError before any data is read."""
-    if not cfg.fsdp:
-        return
-    if accelerator.num_processes < 2:
-        raise ValueError(
-            "--fsdp true shards the model over several processes, but this run has one. Launch it with "
-            "`torchrun --standalone --nproc_per_node 2 training/pretrain.py ...` (or more processes), or drop --fsdp."
-        )
-    if requested_sharding() is not None:
-        raise ValueError(
-            f"--fsdp true is torch's FSDP2 for launches Accelerate cannot shard (CPUs), but this launch asks "
-            f"Accelerate for {requested_sharding()} already: drop --fsdp and keep the launch config."
-        )
-    if cfg.mixed_precision != "no":
-        raise ValueError(
-            f"--fsdp true trains in full precision; --mixed_precision {cfg.mixed_precision} is not supported with it. "
-            "Use --mixed_precision no, or on GPUs Accelerate's FSDP2 config (training/accelerate_configs/fsdp.yaml), "
-            "which handles mixed precision."
-        )
-
-
-def check_muon_launch(cfg: TrainConfig) -> None:
-    """``--optimizer muon`` in a launch that asks for DeepSpeed: a ValueError before the Accelerator is built.
-    DeepSpeed's ZeRO keeps each process's share of the weights as flat 1-D partitions and steps the optimizer on
-    those, and torch.optim.Muon orthogonalises whole 2-D matrices (it refuses anything else). FSDP2 keeps each
-    matrix 2-D (a DTensor), which Muon runs on: see training/optim.py."""
-    if cfg.optimizer == "muon" and requested_sharding() == "DeepSpeed":
-        raise ValueError(
-            "--optimizer muon cannot run under DeepSpeed: ZeRO steps the optimizer on flat 1-D partitions of the "
-            "weights, and Muon orthogonalises whole 2-D matrices. Use --optimizer adamw with DeepSpeed, or shard "
-            "with FSDP2 (training/accelerate_configs/fsdp.yaml on GPUs, --fsdp true under torchrun on CPUs), whose "
-            "matrices stay 2-D."
-        )
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 in hardware (AVX-512 or AMX on x86, BF16 on Arm), as oneDNN, which runs
-    CPU autocast's bf16 matmuls, decides it; without, bf16 is emulated and slower than float32."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def check_bf16_cpu(cfg: TrainConfig, cpu: bool) -> None:
-    """``--mixed_precision bf16`` for a run on a CPU (``cpu``) without bf16 instructions: a ValueError before the
-    Accelerator is built. Accelerate accepts it on every CPU (``is_bf16_available`` is True there), and the run
-    would be slower than float32 for nothing."""
-    if cfg.mixed_precision == "bf16" and cpu and not cpu_has_bf16():
-        raise ValueError(
-            "--mixed_precision bf16 on a CPU without bfloat16 instructions (oneDNN finds neither AVX-512 nor AMX "
-            "nor Arm BF16 here): bf16 would be emulated, slower than float32. Use --mixed_precision no."
-        )
-
-
-def make_accelerator(
-    cfg: TrainConfig | None = None, cpu: bool = False, allow_emulated_bf16: bool = False
-) -> Accelerator:
+def make_accelerator(cfg: TrainConfig | None = None, cpu: bool = False) -> Accelerator:
     """The Accelerator every script uses: accumulation, mixed precision and trackers from ``cfg`` (none of
     them without one: evaluation).
 
@@ -178,15 +105,11 @@ def make_accelerator(
     ``torchrun`` into gloo data-parallel ranks when told it runs on CPU; otherwise each process would
     silently train its own copy of the model. ``cpu=True`` also forces the CPU where there is a GPU.
 
-    A launch that asks for FSDP or DeepSpeed where Accelerate cannot give it stops here (``refuse_unsharded``), as
-    do ``--fsdp`` launches that cannot shard (``check_fsdp_launch``) and bf16 on a CPU without it (``check_bf16_cpu``),
-    unless ``allow_emulated_bf16``: for what does not depend on speed (the dtypes a step makes, the bytes it holds),
-    which bf16 emulated in software gives as well, on every CPU.
+    A launch that asks for FSDP or DeepSpeed where Accelerate cannot give it stops here (``refuse_unsharded``: what
+    Accelerate made of the launch is known only now); the settings that do not fit a launch or the hardware were
+    refused before, by ``training.preflight``.
     """
-    cpu = cpu or not torch.accelerator.is_available()
-    if cfg is not None and not allow_emulated_bf16:
-        check_bf16_cpu(cfg, cpu)
-        check_muon_launch(cfg)
+    cpu = runs_on_cpu(cpu)
     if cpu and requested_sharding() == "DeepSpeed":
         # Accelerate never enables DeepSpeed with cpu=True (state.py: `... and not cpu`). Checked before building the
         # Accelerator, which would otherwise stop at "DeepSpeed is not installed" where it is not (a run started
@@ -206,8 +129,6 @@ def make_accelerator(
             kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.ddp_timeout))],
         )
     refuse_unsharded(accelerator.state)
-    if cfg is not None:
-        check_fsdp_launch(cfg, accelerator)
     return accelerator
 
 

@@ -184,6 +184,19 @@ def load_base_tokenizer(name: str, revision: str | None = None, trust_remote_cod
         ) from err
 
 
+def read_model_config(name: str, revision=None, trust_remote_code=False) -> DecoderLabConfig | None:
+    """The config of the decoderlab checkpoint ``name`` (a folder or Hub id), read without its weights; None where it
+    cannot be read or is another model's (``load_base_model`` says why when the run loads it)."""
+    try:
+        check_model_folder(name)
+        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    if config.model_type != DecoderLabConfig.model_type:
+        return None
+    return config if isinstance(config, DecoderLabConfig) else DecoderLabConfig.from_dict(config.to_dict())
+
+
 def load_base_model(
     name: str, tokenizer: PreTrainedTokenizerBase, block_size: int, revision=None, trust_remote_code=False
 ) -> PreTrainedModel:

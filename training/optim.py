@@ -1,39 +1,30 @@
-"""Which parameter gets which optimizer rule, learning rate and weight decay: the one place that answers it.
+"""The optimizer groups of a run, from the model's parameter roles and the one rule table, and the optimizers.
 
-``param_groups(model, cfg)`` is the only function from a model and a run configuration to optimizer groups; every
-group is named, so the run records the split (``recorded_groups``: ``run_info.json``, the model card and comment
-lines atop ``training_config.yaml``) and a test prints it for every preset. ``make_optimizer`` builds the optimizer
-over those groups (AdamW, or ``MuonWithAdamW``) and ``make_scheduler`` transformers' schedule over the optimizer (it
-scales each group's own peak rate, so groups with a rate of their own keep their ratio to the others).
+``param_groups(model, cfg)`` is the only function from a model and a run configuration to optimizer groups. It asks
+the model for each parameter's role (``DecoderLabPreTrainedModel.parameter_roles``) and the table for that role's rule
+(``decoderlab/roles_decoderlab.py``: ``RULES``, keyed by role, ``cfg.optimizer`` and the model's parametrization), so
+every rule (group, Muon or AdamW, peak rate, muP's factor, weight decay) is read in one place; this module only gathers
+the tensors that share a rule. Every group is named, so the run records the split (``recorded_groups``:
+``run_info.json``, the model card and comment lines atop ``training_config.yaml``) and a test prints it for every
+preset. ``make_optimizer`` builds the optimizer over those groups (AdamW, or ``MuonWithAdamW``) and ``make_scheduler``
+transformers' schedule over it (it scales each group's own peak rate, so groups keep their ratios).
 
-The rules, read top to bottom in ``param_groups``:
+What the table gives, in words (its docstring has muP's reasons):
 
-- ``matrices``: the weight matrices (ndim >= 2) that are not embeddings: q/k/v/o, the MLP's projections and an
-  untied ``lm_head``; weight decay ``cfg.weight_decay``.
-- ``embeddings``: with ``cfg.embedding_learning_rate``, the token embeddings (and a tied ``lm_head``, the same
-  matrix) at that peak rate, without decay.
-- ``other``: everything else, without decay: norm gains, biases, learned positions, and the token embeddings when
-  they have no rate of their own. Decaying an embedding row pulls rare tokens toward zero for no gain, and decaying
-  norm gains or biases fights the scale they exist to set (GPT-2, nanoGPT and Llama recipes all exempt them).
-- ``muon_matrices``, with ``cfg.optimizer == "muon"`` only: the 2-D weights inside the decoder blocks (q/k/v/o and
-  the MLP's projections: the modules the model lists in ``_no_split_modules``) go to ``torch.optim.Muon`` at
-  ``cfg.muon_learning_rate`` with ``cfg.muon_weight_decay``; every other group stays AdamW's. The token embeddings
-  and the head are 2-D too, but Muon orthogonalises a matrix's update as a whole, which suits a map from one hidden
-  space to another and not a lookup table or the logits (Keller Jordan's Muon README; every modded-nanogpt record
-  keeps them on Adam). Norm gains and biases are 1-D, which Muon refuses. Under muP (Yang et al. 2022), Muon's
-  update already has a width-independent spectral norm, so its rate takes no 1/width factor.
-
-Under ``parametrization: mup`` (the model's config; m = hidden_size / mup_base_width), Tensor Programs V's Table 8:
-
-- ``matrices`` holds only the hidden matrices (the linear layers of the decoder blocks: q/k/v/o, the MLP's), at
-  ``learning_rate`` x ``mup_lr_multiplier`` (1/m for Adam); its ``lr_multiplier`` records the factor.
-- ``muon_matrices`` (optimizer muon) takes no factor: Muon's orthogonalised update already has a width-independent
-  spectral norm under ``muon_adjust_lr_fn: original`` (its ``lr_multiplier`` records 1.0); ``match_rms_adamw``, whose
-  update grows with the width, is refused with muP.
-- ``output``: the other weight matrices, whose one side stays fixed as the width grows (TP5's "vector-like"
-  parameters): an untied ``lm_head`` and, under LoRA, the adapters (rank fixed), at ``learning_rate`` with
-  ``weight_decay``. The logits' own 1/m is the model's ``logit_scale``, in its forward pass.
-- ``other`` and ``embeddings`` are as above: muP leaves vector-like parameters' rates alone.
+- ``matrices``: the blocks' matrices (q/k/v/o, the MLP's) and, in the standard parametrization, an untied
+  ``lm_head``; ``weight_decay``. Under muP (AdamW) each matrix's rate is divided by its own fan-in multiplier
+  (``lr_multiplier`` records the factor); matrices with different factors are groups of their own.
+- ``muon_matrices`` (``optimizer: muon``): the blocks' matrices, to ``torch.optim.Muon`` at ``muon_learning_rate``
+  with ``muon_weight_decay``; no muP factor (Muon's orthogonalised update has a width-independent spectral norm). The
+  embeddings and the head stay on AdamW: Muon suits a map between hidden spaces, not a lookup table or the logits
+  (Keller Jordan's Muon README; every modded-nanogpt record keeps them on Adam); vectors are 1-D, which Muon refuses.
+- ``embeddings``: the token embeddings (and a tied ``lm_head``, the same matrix) at ``embedding_learning_rate``,
+  without decay; without that rate they train in ``other``.
+- ``other``: gains, biases, learned positions and scalars, at ``learning_rate``, without decay: decaying an
+  embedding row pulls rare tokens toward zero for no gain, and decaying gains or biases fights the scale they exist
+  to set (GPT-2, nanoGPT and Llama recipes all exempt them).
+- ``output`` (muP only): an untied ``lm_head`` and LoRA adapters, whose one side stays fixed as the width grows, at
+  ``learning_rate`` with ``weight_decay``; the logits' own 1/m is the model's ``logit_scale``, in its forward pass.
 
 Weight decay under muP: AdamW decays by lr x weight_decay per step, so the hidden matrices, at lr / m, decay by
 lr x weight_decay / m: ``weight_decay`` is not rescaled (nanoGPT-mup's convention, and about what Qiu et al. 2025
@@ -46,80 +37,72 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
-from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
+from decoderlab.cli import UsageError
+from decoderlab.configuration_decoderlab import is_mup
+from decoderlab.modeling_decoderlab import DecoderLabPreTrainedModel
+from decoderlab.roles_decoderlab import GROUP_ORDER, ParameterRole, rate_factor, rule_for
 
-EMBEDDING_MODULES = (nn.Embedding, DecoderLabAbsolutePositionalEmbedding)
+from .hardware import cpu_has_bf16
+
 OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon"}
 
 
-def mup_lr_multiplier(config, rule: str = "adamw") -> float:
-    """The factor muP puts on the learning rate of the hidden matrices updated by optimizer ``rule``: 1/m for Adam
-    (Tensor Programs V, Table 8), m = ``config.mup_width_multiplier``; 1.0 for Muon (its update's spectral norm does
-    not grow with the width: Yang, Simon & Bernstein 2023); 1.0 in the standard parametrization. A rule with no muP
-    factor of its own is refused rather than given Adam's."""
-    if getattr(config, "parametrization", "standard") != "mup":
-        return 1.0
-    if rule == "adamw":
-        return 1.0 / config.mup_width_multiplier
-    if rule == "muon":
-        return 1.0
-    raise ValueError(
-        f"parametrization='mup' has no learning-rate rule for the optimizer {rule!r}; it has one for 'adamw' and 'muon'."
-    )
+def decoder_of(model: nn.Module) -> DecoderLabPreTrainedModel:
+    """The decoderlab model inside ``model``: itself, or the one PEFT (``get_base_model``) or a wrapper
+    (``module``) holds."""
+    for candidate in (model, getattr(model, "module", None)):
+        if isinstance(candidate, DecoderLabPreTrainedModel):
+            return candidate
+        base = getattr(candidate, "get_base_model", None)
+        if base is not None and isinstance(base(), DecoderLabPreTrainedModel):
+            return base()
+    raise ValueError(f"{type(model).__name__} holds no decoderlab model: its parameters have no roles to group by.")
 
 
-def hidden_matrices(model: nn.Module) -> set[int]:
-    """The ids of the hidden matrices' weights: the linear layers inside decoder blocks (modeling_decoderlab marks
-    them ``is_hidden_matrix``)."""
-    return {id(m.weight) for m in model.modules() if getattr(m, "is_hidden_matrix", False)}
-
-
-def block_matrices(model: nn.Module) -> set[int]:
-    """The ids of the 2-D weights inside the decoder blocks: the modules whose class ``model._no_split_modules``
-    names (FSDP's subclass of one included), the units ``training.sharding`` shards by."""
-    units = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if any(c.__name__ in units for c in type(m).__mro__)]
-    return {id(p) for block in blocks for p in block.parameters() if p.ndim == 2}
+def roles_by_tensor(model: nn.Module) -> dict[int, tuple[str, ParameterRole]]:
+    """``id(tensor) -> (name, role)`` for every parameter of the decoderlab model inside ``model``."""
+    decoder = decoder_of(model)
+    roles = decoder.parameter_roles()
+    return {id(param): (name, roles[name]) for name, param in decoder.named_parameters()}
 
 
 def param_groups(model: nn.Module, cfg) -> list[dict]:
     """Named optimizer groups (``name``, ``params``, ``lr``, ``weight_decay``, ``use_muon``; under muP
-    ``lr_multiplier`` too) covering every trainable parameter of ``model`` exactly once, by the rules of this
-    module's docstring; groups left empty are dropped."""
-    config = getattr(model, "config", None)
-    mup = getattr(config, "parametrization", "standard") == "mup"
-    embedding_params = {id(p) for m in model.modules() if isinstance(m, EMBEDDING_MODULES) for p in m.parameters()}
-    own_rate = set()
-    if cfg.embedding_learning_rate is not None:
-        own_rate = {id(p) for p in model.get_input_embeddings().parameters()}
-    muon = block_matrices(model) if cfg.optimizer == "muon" else set()
-    hidden = hidden_matrices(model) if mup else set()
-    adamw_factor, muon_factor = mup_lr_multiplier(config, "adamw"), mup_lr_multiplier(config, "muon")
-    groups = {
-        "matrices": {"params": [], "lr": cfg.learning_rate * adamw_factor, "weight_decay": cfg.weight_decay},
-        "other": {"params": [], "lr": cfg.learning_rate, "weight_decay": 0.0},
-        "embeddings": {"params": [], "lr": cfg.embedding_learning_rate, "weight_decay": 0.0},
-        "muon_matrices": {"params": [], "lr": cfg.muon_learning_rate * muon_factor,
-                          "weight_decay": cfg.muon_weight_decay},  # fmt: skip
-        "output": {"params": [], "lr": cfg.learning_rate, "weight_decay": cfg.weight_decay},  # muP only
-    }  # in this order: a checkpoint's optimizer state lists its groups by position
-    for group_name, group in groups.items():
-        group["use_muon"] = group_name == "muon_matrices"
-    if mup:
-        groups["matrices"]["lr_multiplier"], groups["muon_matrices"]["lr_multiplier"] = adamw_factor, muon_factor
+    ``lr_multiplier`` too) covering every trainable parameter of ``model`` exactly once, each by its role's rule in
+    ``roles_decoderlab.RULES``; in ``GROUP_ORDER`` (a checkpoint's optimizer state lists its groups by position)."""
+    decoder = decoder_of(model)
+    parametrization = decoder.config.parametrization
+    known = roles_by_tensor(decoder)
+    groups: dict[tuple[str, float], dict] = {}
     for param in model.parameters():  # each tensor once, a tied one included
         if not param.requires_grad:
             continue
-        if id(param) in own_rate:
-            name = "embeddings"
-        elif id(param) in muon:
-            name = "muon_matrices"
-        elif param.ndim >= 2 and id(param) not in embedding_params:
-            name = "output" if mup and id(param) not in hidden else "matrices"
-        else:
-            name = "other"
-        groups[name]["params"].append(param)
-    return [{"name": name, **group} for name, group in groups.items() if group["params"]]
+        if id(param) not in known:
+            raise ValueError(
+                f"A trainable tensor of shape {tuple(param.shape)} is not a parameter of the decoderlab model, so it has "
+                "no role and no rule: train only the model's own parameters (or LoRA adapters on them)."
+            )
+        role = known[id(param)][1]
+        rule = rule_for(role.role, cfg.optimizer, parametrization)
+        name, rate = rule.group, getattr(cfg, rule.rate)
+        if rate is None:  # the token embeddings without a rate of their own
+            name, rate = "other", cfg.learning_rate
+        factor = rate_factor(rule, role)
+        group = groups.setdefault((name, factor), {
+            "params": [], "lr": rate * factor, "weight_decay": getattr(cfg, rule.decay) if rule.decay else 0.0,
+            "use_muon": rule.update == "muon",
+        })  # fmt: skip
+        if is_mup(decoder.config) and (rule.rate_per_fan_in or rule.update == "muon"):
+            group["lr_multiplier"] = factor
+        group["params"].append(param)
+    factors: dict[str, list[float]] = {}
+    for name, factor in groups:
+        factors.setdefault(name, []).append(factor)
+    ordered = sorted(groups, key=lambda key: (GROUP_ORDER.index(key[0]), -key[1]))
+    return [
+        {"name": name if len(factors[name]) == 1 else f"{name} (x {factor:.4g})", **groups[name, factor]}
+        for name, factor in ordered
+    ]
 
 
 def describe_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
@@ -136,11 +119,13 @@ def describe_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
     ]
 
 
-def recorded_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The optimizer's groups as a run records them (``run_info.json``, the model card, ``training_config.yaml``'s
-    comments): name, optimizer, peak rate (and muP's factor in it), weight decay and the parameters and tensors each
-    holds; ``describe_groups`` without the tensors' names."""
-    groups = [{**group, "lr": group.get("initial_lr", group["lr"])} for group in optimizer.param_groups]
+def recorded_groups(model: nn.Module, optimizer: torch.optim.Optimizer | list[dict]) -> list[dict]:
+    """The optimizer's groups (or ``param_groups``' own, before any optimizer) as a run records them
+    (``run_info.json``, the model card, ``training_config.yaml``'s comments): name, optimizer, peak rate (and muP's
+    factor in it), weight decay and the parameters and tensors each holds; ``describe_groups`` without the tensors'
+    names."""
+    param_groups = optimizer if isinstance(optimizer, list) else optimizer.param_groups
+    groups = [{**group, "lr": group.get("initial_lr", group["lr"])} for group in param_groups]
     keep = ("name", "lr", "weight_decay", "parameters", "lr_multiplier")
     ns_dtype = getattr(optimizer, "ns_dtype", None)
     return [
@@ -170,18 +155,17 @@ def groups_text(recorded: list[dict]) -> str:
     return "; ".join(group_text(g, optimizer=mixed) for g in recorded)
 
 
-def groups_comment(recorded: list[dict]) -> str:
-    """``recorded_groups`` as YAML comment lines, for the top of the run's ``training_config.yaml``: the split and each
-    group's optimizer and peak rate where the settings are (comments: reading the file back as a TrainConfig skips
-    them)."""
-    lines = ["Optimizer groups of this run (training/optim.py's rules; a record, not a setting):"]
+def groups_comment(recorded: list[dict], title: str = "Optimizer groups of this run") -> str:
+    """``recorded_groups`` as YAML comment lines, for the top of the run's ``training_config.yaml`` (or a recipe
+    ``training/mup_tune.py`` writes): the split and each group's optimizer and peak rate where the settings are
+    (comments: reading the file back as a TrainConfig skips them)."""
+    lines = [f"{title} (training/optim.py's rules; a record, not a setting):"]
     lines += [
         f"  {g['name']}: {OPTIMIZER_NAMES[g.get('optimizer', 'adamw')]}, {group_text(g).split(': ', 1)[1]} in "
         f"{g['tensors']} tensor{'s' if g['tensors'] != 1 else ''}"
         for g in recorded
     ]
     return "".join(f"# {line}\n" for line in lines)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,8 +259,6 @@ def newton_schulz_dtype(setting: str, device: torch.device) -> torch.dtype:
         return getattr(torch, setting)
     if device.type != "cpu":
         return torch.bfloat16
-    from .loop import cpu_has_bf16  # here, not at the top: training.loop imports this module
-
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -336,13 +318,6 @@ def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, **adamw)
-    config = getattr(model, "config", None)
-    if getattr(config, "parametrization", "standard") == "mup" and cfg.muon_adjust_lr_fn != "original":
-        raise ValueError(
-            f"muon_adjust_lr_fn={cfg.muon_adjust_lr_fn!r} with a muP model: that rule scales Muon's update with "
-            "sqrt(max(out, in)), which grows with the width, so the rate tuned at mup_base_width would not carry. "
-            "Use muon_adjust_lr_fn original (muP's rule for Muon: no width factor)."
-        )
     device = next(model.parameters()).device
     muon = dict(
         ns_dtype=newton_schulz_dtype(cfg.muon_ns_dtype, device),
@@ -356,30 +331,37 @@ def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     return MuonWithAdamW(groups, muon=muon, adamw=adamw)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg, num_training_steps: int):
-    """transformers' scheduler ``cfg.lr_scheduler_type``; stepped once per optimizer step.
-
-    ``warmup_stable_decay`` (transformers' ``get_wsd_schedule``) takes its decay as a number of steps in
-    ``lr_scheduler_kwargs`` (``num_decay_steps``, with ``decay_type`` and ``min_lr_ratio``: its defaults are a cosine
-    decay to 0); warm-up and decay must fit in the run, or the stable phase would have a negative length."""
-    decay = (cfg.lr_scheduler_kwargs or {}).get("num_decay_steps")
-    stable = (cfg.lr_scheduler_kwargs or {}).get("num_stable_steps")
+def schedule_fits(cfg, num_training_steps: int) -> str | None:
+    """``warmup_stable_decay`` (transformers' ``get_wsd_schedule``) with its decay as a number of steps: warm-up and
+    decay must fit in the run, or the stable phase would have a negative length. Asked by the pre-flight check, and by
+    ``make_scheduler`` for a run counted in epochs, whose length is known only once the data is."""
+    kwargs = cfg.lr_scheduler_kwargs or {}
+    decay, stable = kwargs.get("num_decay_steps"), kwargs.get("num_stable_steps")
     if cfg.lr_scheduler_type == "warmup_stable_decay" and isinstance(decay, int) and stable is None:
         if cfg.num_warmup_steps + decay > num_training_steps:
-            raise ValueError(
+            return (
                 f"lr_scheduler_type=warmup_stable_decay: num_warmup_steps={cfg.num_warmup_steps} plus "
                 f"lr_scheduler_kwargs num_decay_steps={decay} exceed the run's {num_training_steps} steps. Shorten "
                 "the warm-up or the decay (e.g. num_decay_steps of 40% of the steps, modded-nanogpt's cooldown)."
             )
-    try:
-        return get_scheduler(
-            cfg.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=cfg.num_warmup_steps,
-            num_training_steps=num_training_steps,
-            scheduler_specific_kwargs=cfg.lr_scheduler_kwargs,
-        )
-    except TypeError as err:  # a keyword the scheduler does not take
-        raise ValueError(
-            f"lr_scheduler_kwargs={cfg.lr_scheduler_kwargs} do not fit lr_scheduler_type={cfg.lr_scheduler_type!r}: {err}"
-        ) from err
+    return None
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg, num_training_steps: int):
+    """transformers' scheduler ``cfg.lr_scheduler_type`` with ``cfg.lr_scheduler_kwargs``; stepped once per optimizer
+    step. ``warmup_stable_decay`` (transformers' ``get_wsd_schedule``) takes its decay as a number of steps
+    (``num_decay_steps``, with ``decay_type`` and ``min_lr_ratio``: its defaults are a cosine decay to 0).
+
+    The pre-flight check refused keywords the scheduler does not take and a schedule longer than the run before any
+    data was read; a run counted in epochs learns its length only from the data, so ``schedule_fits`` is asked again
+    here."""
+    problem = schedule_fits(cfg, num_training_steps)
+    if problem:
+        raise UsageError(problem)
+    return get_scheduler(
+        cfg.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=cfg.num_warmup_steps,
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs=cfg.lr_scheduler_kwargs,
+    )

@@ -24,6 +24,7 @@ import time
 
 from training.args import PrepareConfig, parse_config
 from training.data import load_text_splits, load_tokenizer
+from training.preflight import DATA_CHECKS, preflight
 from training.token_shards import (
     choose_source,
     preparation_tokenizer,
@@ -37,6 +38,7 @@ logger = logging.getLogger("training.prepare_data")
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(PrepareConfig, argv)
+    preflight(cfg, checks=DATA_CHECKS)  # the recipe's data settings fit together, before anything is read
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     start = time.perf_counter()
     train, validation = load_text_splits(cfg)

@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 
 from training.args import TrainConfig, parse_config
 from training.checkpointing import (
-    check_resume_fits,
+    check_resume_tensors,
     claim_output_dir,
     record_config,
     resolve_checkpoint,
@@ -32,6 +32,7 @@ from training.data import prepare_data
 from training.finish import finish_run
 from training.loop import make_accelerator, setup_script_logging, train
 from training.models import build_model, load_base_model, load_base_tokenizer, set_sampling_defaults
+from training.preflight import preflight
 from training.token_shards import prepared_batches
 
 logger = logging.getLogger("training.pretrain")
@@ -49,6 +50,7 @@ def start_tokenizer(cfg: TrainConfig):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(TrainConfig, argv)
+    preflight(cfg)  # every setting that does not fit another, the launch or the hardware: before anything is read
     accelerator = make_accelerator(cfg)
     setup_script_logging(accelerator)
     set_seed(cfg.seed)
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{model.num_parameters():,} parameters, {len(tokenizer)} tokens in the vocabulary, "
         f"{accelerator.num_processes} process(es) on {accelerator.device}, {len(eval_blocks)} validation blocks"
     )
-    check_resume_fits(checkpoint, cfg, model)
+    check_resume_tensors(checkpoint, model)
     record_config(accelerator, cfg, checkpoint)
     result = train(model, batches, eval_blocks, cfg, accelerator, tokenizer=tokenizer, resume_from=checkpoint)
     finish_run(

@@ -20,7 +20,7 @@ import torch
 from benchmarks.common import interleaved_medians, load_average, machine_line, timing_parser, write_timing
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from training.args import TrainConfig, parse_config
-from training.optim import BatchedMuon, block_matrices, newton_schulz_dtype
+from training.optim import BatchedMuon, newton_schulz_dtype, param_groups
 
 RECIPES = (
     ("make demo (4 x 128, batch 16 x 64)", "training/configs/shakespeare_char.yaml"),
@@ -35,7 +35,7 @@ def workloads(recipe: str) -> dict:
     torch.manual_seed(0)
     model = DecoderLabForCausalLM(DecoderLabConfig(vocab_size=VOCAB, **cfg.model))
     ids = torch.randint(0, VOCAB, (cfg.per_device_train_batch_size, cfg.block_size))
-    matrices = [p for p in model.parameters() if id(p) in block_matrices(model)]
+    matrices = next(g["params"] for g in param_groups(model, cfg) if g["use_muon"])  # the blocks' matrices
     settings = dict(lr=0.02, weight_decay=0.0, momentum=0.95)
 
     def optimizer_step(make) -> callable:

@@ -50,7 +50,7 @@ from transformers import (
 )
 from transformers.utils.hub import convert_file_size_to_int
 
-from ..configuration_decoderlab import DecoderLabConfig
+from ..configuration_decoderlab import DecoderLabConfig, is_mup
 from ..modeling_decoderlab import DecoderLabForCausalLM
 from .checkpoint import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -198,7 +198,7 @@ def mup_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[boo
     folds into an untied ``lm_head``; a tied one is the token embedding too, which the factor must not change."""
     return {
         "parametrization": (
-            config.parametrization == "mup" and config.tie_word_embeddings and config.logit_scale != 1.0,
+            is_mup(config) and config.tie_word_embeddings and config.logit_scale != 1.0,
             f"muP multiplies the logits by mup_output_multiplier / m = {config.logit_scale:.6g}, which {family} has "
             "no factor for; folded into lm_head it would change the token embedding tied to it (tie_word_embeddings"
             "=True). Train with tie_word_embeddings=False to export a muP model",
@@ -208,19 +208,22 @@ def mup_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[boo
 
 def mup_folds(config: DecoderLabConfig) -> dict[str, float]:
     """What exporting ``config`` to a family without muP's multipliers multiplies into the weights, exactly: a
-    regex over decoderlab's tensor names -> the factor. The logits' factor ``logit_scale`` goes into an untied
-    ``lm_head`` (``mup_in_the_way`` refuses a tied one). muP's 1/head_dim attention scale (``attention_scale``
-    unset) is 1/sqrt(head_dim) times 1/sqrt(head_dim): the second factor goes into the queries, through the
-    query norm's weight with QK-norm (which would undo a factor on q_proj) and through q_proj's weight and bias
-    otherwise; RoPE rotates q linearly, so it commutes. Nothing for the standard parametrization."""
-    if config.parametrization != "mup":
+    regex over decoderlab's tensor names -> the factor. The readout (``parameter_roles``: an untied ``lm_head``;
+    ``mup_in_the_way`` refuses a tied one) takes the factor its rule puts on its output in the forward pass,
+    ``logit_scale``. muP's 1/head_dim attention scale (``default_attention_scale``, when ``attention_scale`` is
+    unset) is 1/sqrt(head_dim) times 1/sqrt(head_dim): the second factor goes into the queries, through the query
+    norm's weight with QK-norm (which would undo a factor on q_proj) and through q_proj's weight and bias otherwise;
+    RoPE rotates q linearly, so it commutes. Nothing for the standard parametrization."""
+    if not is_mup(config):
         return {}
+    with torch.device("meta"):  # the roles, without weights
+        roles = DecoderLabForCausalLM(config).parameter_roles()
     folds = {}
-    if config.logit_scale != 1.0 and not config.tie_word_embeddings:
-        folds[r"lm_head\.weight"] = config.logit_scale
+    if config.logit_scale != 1.0:
+        folds.update({re.escape(name): config.logit_scale for name, role in roles.items() if role.role == "readout"})
     if config.attention_scale is None:
         query = r"q_norm\.weight" if config.qk_norm else r"q_proj\.(weight|bias)"
-        folds[r"model\.layers\.\d+\.self_attn\." + query] = config.head_dim**-0.5
+        folds[r"model\.layers\.\d+\.self_attn\." + query] = config.default_attention_scale / config.head_dim**-0.5
     return folds
 
 
