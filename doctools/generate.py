@@ -267,11 +267,13 @@ def repository_path(site_path: str) -> pathlib.Path:
 
 def site_links(markdown: str, site_path: str) -> str:
     """The page's relative links, written for reading in the repository, rewritten for the site where the two
-    differ: a docs page's link to a published file (``../benchmarks/results/x.json``) and a note's link into docs/
-    (``../../docs/performance.md``) point at the file's place in the site. Other links are left as they are."""
+    differ: a docs page's link to a published file (``../benchmarks/results/x.json``) or to an experiment's report or
+    plot (``../experiments/results/NAME/x.png``), and a note's link into docs/ (``../../docs/performance.md``), point
+    at the file's place in the site. Other links are left as they are."""
     page = repository_path(site_path)
     docs = REPO_ROOT / "docs"
     published = published_files()
+    experiments = {path: site for site, path in experiment_files().items()}
 
     def rewrite(match: re.Match) -> str:
         target = match["target"]
@@ -282,6 +284,8 @@ def site_links(markdown: str, site_path: str) -> str:
             site = resolved.relative_to(docs).as_posix()
         elif resolved.is_relative_to(REPO_ROOT) and resolved.relative_to(REPO_ROOT).as_posix() in published:
             site = resolved.relative_to(REPO_ROOT).as_posix()
+        elif resolved in experiments:
+            site = experiments[resolved]
         else:
             return match[0]
         new = posixpath.relpath(site, posixpath.dirname(site_path) or ".")

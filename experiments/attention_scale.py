@@ -111,66 +111,105 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(session: common.Session, settings: Settings) -> None:
     # (a) the measurement across d_k
-    measured = {label: [] for label in SCALES}
-    for d_k in settings.head_dims:
-        for label, scale in SCALES.items():
-            measured[label].append(measure_scale(d_k, scale, settings, session.device))
+    measured = {label: [measure_scale(d_k, scale, settings, session.device) for d_k in settings.head_dims]
+                for label, scale in SCALES.items()}  # fmt: skip
     session.log("measured the attention statistics across d_k")
-    dims = np.array(settings.head_dims, dtype=float)
-    column = lambda label, key: np.array([m[key] for m in measured[label]])
-
-    fig, axes = common.figure(ncols=2, nrows=2, width=5.0, height=3.6)
-    axes = [axes.flatten()]
-    colors = {label: f"C{i}" for i, label in enumerate(SCALES)}
-    ax = axes[0][0]
-    for label in SCALES:
-        ax.plot(dims, column(label, "score_variance"), marker="o", color=colors[label], label=f"scale {label}")
-    ax.plot(dims, dims, ls=":", color="gray", label="d_k")
-    ax.set(yscale="log", ylabel="Var(q·k·scale)", title="variance of the scores")
-    ax = axes[0][1]
-    for label in SCALES:
-        ax.plot(
-            dims, column(label, "max_weight"), marker="o", color=colors[label], label=f"{label}: mean largest weight"
-        )
-        ax.plot(dims, column(label, "saturated"), marker="s", ls="--", color=colors[label],
-                label=f"{label}: share of queries > 0.99")  # fmt: skip
-    ax.set(ylim=(0, 1.02), ylabel="softmax weight / share", title="softmax saturation")
-    ax = axes[0][2]
-    for label in SCALES:
-        ax.plot(dims, column(label, "entropy"), marker="o", color=colors[label], label=f"scale {label}")
-    ax.axhline(math.log(settings.keys), ls=":", color="gray", label=f"uniform (ln {settings.keys})")
-    ax.set(ylim=(0, None), ylabel="mean entropy (nats)", title="softmax entropy")
-    ax = axes[0][3]
-    for label in SCALES:
-        ax.plot(dims, column(label, "jacobian_median"), marker="o", color=colors[label], label=f"{label}: median")
-        ax.plot(dims, column(label, "jacobian_mean"), marker="s", ls="--", color=colors[label], label=f"{label}: mean")
-    ax.set(yscale="log", ylabel="‖∂softmax/∂scores‖ per query", title="gradient through the softmax")
-    for ax in axes[0]:
-        ax.set(xscale="log", xlabel="head dimension d_k")
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
-    measurement_png = common.save_figure(
-        fig, session, "scale_vs_dk.png", "score variance, softmax saturation and gradient versus d_k"
-    )
+    measurement_png = measurement_figure(session, settings, measured)
 
     # (b) training with and without the scale at a large head dimension
     corpus = common.load_corpus(session, settings.block_size, settings.eval_blocks)
-    recipe = common.Recipe(
-        steps=settings.steps, batch_size=settings.batch_size, learning_rate=settings.learning_rate,
-        warmup_steps=settings.steps // 10, log_every=max(1, settings.steps // 30),
-        eval_every=max(1, settings.steps // 6), eval_samples=min(64, settings.eval_blocks),
+    training = dict(
+        max_train_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate, num_warmup_steps=settings.steps // 10,
+        logging_steps=max(1, settings.steps // 30), eval_steps=max(1, settings.steps // 6),
+        max_eval_samples=min(64, settings.eval_blocks),
     )  # fmt: skip
     model_fields = dict(
         hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers,
         num_attention_heads=settings.num_attention_heads, head_dim=settings.train_head_dim,
     )  # fmt: skip
     specs = {
-        label: common.Spec(f"scale={scale}", {**model_fields, "attention_scale": scale}, recipe)
+        label: common.Spec(f"scale={scale}", {**model_fields, "attention_scale": scale}, training)
         for label, scale in SCALES.items()
     }
     runs = common.train_all(session, corpus, specs)  # label -> Trials, one run per seed
     stats = {label: attention_statistics(trials.model, corpus.eval_blocks[:16]) for label, trials in runs.items()}
+    training_png = training_figure(session, settings, runs, stats)
 
+    common.write_report(
+        session,
+        title="The 1/sqrt(d_k) attention scale",
+        claim=(
+            "Without the 1/sqrt(d_k) factor, the dot products q·k grow with the head dimension d_k, the softmax "
+            "saturates and the gradients through it vanish; with it, the variance of the scores stays near 1 "
+            "(Vaswani et al. 2017, section 3.2.1)."
+        ),
+        setup=setup_text(session, settings, corpus, training),
+        results=f"""{measurement_png}
+
+{measurement_table(settings, measured)}
+
+{training_png}
+
+{training_table(runs, stats)}""",
+        checks=checks(settings, measured, runs),
+        discussion=discussion(session, settings, measured, runs, stats),
+        revision=REVISION,
+        numbers={"measurement": measured, "training": {
+            label: {"final_eval_losses": t.losses.tolist(), "eval_curves": [r.eval_curve for r in t.runs],
+                    "attention": stats[label], "seconds": t.seconds} for label, t in runs.items()}},
+    )  # fmt: skip
+    session.log(f"wrote {session.output_dir / 'report.md'}")
+
+
+def column(measured: dict, label: str, key: str) -> np.ndarray:
+    """One statistic of the measurement across d_k, for one scale."""
+    return np.array([m[key] for m in measured[label]])
+
+
+def measurement_figure(session: common.Session, settings: Settings, measured: dict) -> str:
+    """Score variance, saturation, entropy and the gradient through the softmax against d_k, for both scales."""
+    dims = np.array(settings.head_dims, dtype=float)
+    fig, axes = common.figure(ncols=2, nrows=2, width=5.0, height=3.6)
+    axes = [axes.flatten()]
+    colors = {label: f"C{i}" for i, label in enumerate(SCALES)}
+    ax = axes[0][0]
+    for label in SCALES:
+        ax.plot(
+            dims, column(measured, label, "score_variance"), marker="o", color=colors[label], label=f"scale {label}"
+        )
+    ax.plot(dims, dims, ls=":", color="gray", label="d_k")
+    ax.set(yscale="log", ylabel="Var(q·k·scale)", title="variance of the scores")
+    ax = axes[0][1]
+    for label in SCALES:
+        ax.plot(dims, column(measured, label, "max_weight"), marker="o", color=colors[label],
+                label=f"{label}: mean largest weight")  # fmt: skip
+        ax.plot(dims, column(measured, label, "saturated"), marker="s", ls="--", color=colors[label],
+                label=f"{label}: share of queries > 0.99")  # fmt: skip
+    ax.set(ylim=(0, 1.02), ylabel="softmax weight / share", title="softmax saturation")
+    ax = axes[0][2]
+    for label in SCALES:
+        ax.plot(dims, column(measured, label, "entropy"), marker="o", color=colors[label], label=f"scale {label}")
+    ax.axhline(math.log(settings.keys), ls=":", color="gray", label=f"uniform (ln {settings.keys})")
+    ax.set(ylim=(0, None), ylabel="mean entropy (nats)", title="softmax entropy")
+    ax = axes[0][3]
+    for label in SCALES:
+        ax.plot(dims, column(measured, label, "jacobian_median"), marker="o", color=colors[label],
+                label=f"{label}: median")  # fmt: skip
+        ax.plot(dims, column(measured, label, "jacobian_mean"), marker="s", ls="--", color=colors[label],
+                label=f"{label}: mean")  # fmt: skip
+    ax.set(yscale="log", ylabel="‖∂softmax/∂scores‖ per query", title="gradient through the softmax")
+    for ax in axes[0]:
+        ax.set(xscale="log", xlabel="head dimension d_k")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    return common.save_figure(
+        fig, session, "scale_vs_dk.png", "score variance, softmax saturation and gradient versus d_k"
+    )
+
+
+def training_figure(session: common.Session, settings: Settings, runs: dict, stats: dict) -> str:
+    """Training and validation curves of both scales, and their attention saturation after training."""
     fig, axes = common.figure(ncols=2, width=5.2)
     for i, (label, trials) in enumerate(runs.items()):
         common.plot_seed_curves(axes[0][0], trials, f"C{i}", label=f"scale {label}, train")
@@ -180,19 +219,25 @@ def run(session: common.Session, settings: Settings) -> None:
     axes[0][0].set(xlabel="step", ylabel="loss (nats/char)", title=f"training at head_dim={settings.train_head_dim}")
     axes[0][0].legend(fontsize=8)
     axes[0][1].set(ylabel="mean largest attention weight", title="attention saturation after training", ylim=(0, 1.1))
-    training_png = common.save_figure(fig, session, "training_curves.png", "training curves with and without the scale")
+    return common.save_figure(fig, session, "training_curves.png", "training curves with and without the scale")
 
-    # the claim's parts, decided from the numbers
-    with_scale, without = "1/sqrt(d_k)", "none (1.0)"
-    var_off, var_on = column(without, "score_variance"), column(with_scale, "score_variance")
+
+WITH_SCALE, WITHOUT = "1/sqrt(d_k)", "none (1.0)"
+
+
+def checks(settings: Settings, measured: dict, runs: dict) -> list[common.Check]:
+    """The claim's parts, decided from the numbers."""
+    dims = np.array(settings.head_dims, dtype=float)
+    var_off, var_on = column(measured, WITHOUT, "score_variance"), column(measured, WITH_SCALE, "score_variance")
     slope = np.polyfit(np.log(dims), np.log(var_off), 1)[0] if len(dims) > 1 else math.nan
-    max_off, max_on = column(without, "max_weight"), column(with_scale, "max_weight")
-    median_off, median_on = column(without, "jacobian_median"), column(with_scale, "jacobian_median")
-    mean_off, mean_on = column(without, "jacobian_mean"), column(with_scale, "jacobian_mean")
-    grad_off, grad_on = column(without, "grad_norm_qk"), column(with_scale, "grad_norm_qk")
-    loss_on, loss_off = runs[with_scale].mean, runs[without].mean
+    max_off, max_on = column(measured, WITHOUT, "max_weight"), column(measured, WITH_SCALE, "max_weight")
+    median_off, median_on = (
+        column(measured, WITHOUT, "jacobian_median"),
+        column(measured, WITH_SCALE, "jacobian_median"),
+    )
+    mean_off, mean_on = column(measured, WITHOUT, "jacobian_mean"), column(measured, WITH_SCALE, "jacobian_mean")
     largest = f"d_k={settings.head_dims[-1]}"
-    checks = [
+    return [
         common.Check(
             "without the scale, Var(q·k) grows in proportion to d_k (log-log slope 0.8-1.2)",
             bool(0.8 <= slope <= 1.2),
@@ -222,24 +267,30 @@ def run(session: common.Session, settings: Settings) -> None:
         common.Check(
             f"with the scale, training at head_dim={settings.train_head_dim} reaches a lower validation loss (by more "
             "than the seed-to-seed spread)",
-            common.lower_beyond_spread(runs[with_scale], runs[without]),
-            f"{runs[with_scale]} with vs {runs[without]} without; "
-            + common.spread_note(runs[with_scale], runs[without]),
+            common.lower_beyond_spread(runs[WITH_SCALE], runs[WITHOUT]),
+            f"{runs[WITH_SCALE]} with vs {runs[WITHOUT]} without; "
+            + common.spread_note(runs[WITH_SCALE], runs[WITHOUT]),
         ),
     ]
 
+
+def measurement_table(settings: Settings, measured: dict) -> str:
+    keys = ("score_variance", "max_weight", "entropy", "jacobian_median", "jacobian_mean", "grad_norm_qk")
+    on = {key: column(measured, WITH_SCALE, key) for key in keys}
+    off = {key: column(measured, WITHOUT, key) for key in keys}
     rows = [
-        [d, var_on[i], var_off[i], max_on[i], max_off[i], column(with_scale, "entropy")[i],
-         column(without, "entropy")[i], median_on[i], median_off[i], mean_on[i], mean_off[i], grad_on[i], grad_off[i]]
-        for i, d in enumerate(settings.head_dims)
-    ]  # fmt: skip
-    table = common.markdown_table(
+        [d, *(value for key in keys for value in (on[key][i], off[key][i]))] for i, d in enumerate(settings.head_dims)
+    ]
+    return common.markdown_table(
         ["d_k", "Var scaled", "Var unscaled", "max w scaled", "max w unscaled", "entropy scaled",
          "entropy unscaled", "median ‖J‖ scaled", "median ‖J‖ unscaled", "mean ‖J‖ scaled", "mean ‖J‖ unscaled",
          "‖∂L/∂W_QK‖ scaled", "‖∂L/∂W_QK‖ unscaled"],
         rows,
     )  # fmt: skip
-    train_table = common.markdown_table(
+
+
+def training_table(runs: dict, stats: dict) -> str:
+    return common.markdown_table(
         ["attention scale", "final train loss", "final validation loss", "mean largest weight", "entropy (nats)",
          "score std", "train time (s)"],
         [
@@ -248,8 +299,19 @@ def run(session: common.Session, settings: Settings) -> None:
             for label, trials in runs.items()
         ],
     )  # fmt: skip
-    trained_on, trained_off = stats[with_scale], stats[without]
-    discussion = f"""**Reading the measurement.** Its premise (unit-variance queries and keys) is built in, so it shows the
+
+
+def discussion(session: common.Session, settings: Settings, measured: dict, runs: dict, stats: dict) -> str:
+    median_off, median_on = (
+        column(measured, WITHOUT, "jacobian_median"),
+        column(measured, WITH_SCALE, "jacobian_median"),
+    )
+    mean_off, mean_on = column(measured, WITHOUT, "jacobian_mean"), column(measured, WITH_SCALE, "jacobian_mean")
+    grad_off, grad_on = column(measured, WITHOUT, "grad_norm_qk"), column(measured, WITH_SCALE, "grad_norm_qk")
+    loss_on, loss_off = runs[WITH_SCALE].mean, runs[WITHOUT].mean
+    trained_on, trained_off = stats[WITH_SCALE], stats[WITHOUT]
+    largest = f"d_k={settings.head_dims[-1]}"
+    return f"""**Reading the measurement.** Its premise (unit-variance queries and keys) is built in, so it shows the
 mechanism as the paper argues it. The variance grows with d_k and the softmax saturates; the gradient through the
 softmax (per query, the norm of its Jacobian diag(w) - w wᵀ, which is 0 for a one-hot row) vanishes for the typical
 query: at {largest} the unscaled median is {median_off[-1] / median_on[-1]:.2%} of the scaled one. The mean falls much
@@ -265,16 +327,11 @@ saturation as training enlarges W_Q and W_K; Adam also rescales every update, wh
 entropy {trained_off["entropy"]:.3f} nats (scaled: {trained_on["max_weight"]:.3f}, {trained_on["entropy"]:.3f}), with
 scores spread {trained_off["score_std"] / max(trained_on["score_std"], 1e-12):.1f}x wider (the first seed's models); the
 validation losses differ by {loss_off - loss_on:+.4f} nats (unscaled minus scaled, mean of {len(session.seeds)} seeds;
-seed-to-seed standard deviations {runs[with_scale].std:.4f} and {runs[without].std:.4f})."""
-    common.write_report(
-        session,
-        title="The 1/sqrt(d_k) attention scale",
-        claim=(
-            "Without the 1/sqrt(d_k) factor, the dot products q·k grow with the head dimension d_k, the softmax "
-            "saturates and the gradients through it vanish; with it, the variance of the scores stays near 1 "
-            "(Vaswani et al. 2017, section 3.2.1)."
-        ),
-        setup=f"""*Measurement.* For each d_k in {", ".join(map(str, settings.head_dims))}: one `DecoderLabAttention`
+seed-to-seed standard deviations {runs[WITH_SCALE].std:.4f} and {runs[WITHOUT].std:.4f})."""
+
+
+def setup_text(session: common.Session, settings: Settings, corpus: common.Corpus, training: dict) -> str:
+    return f"""*Measurement.* For each d_k in {", ".join(map(str, settings.head_dims))}: one `DecoderLabAttention`
 (one head, `hidden_size = head_dim = d_k`) whose projections have N(0, 1/d_k) entries, fed {settings.samples}
 sequences of {settings.keys} unit-variance vectors, so queries and keys have unit-variance coordinates (the premise
 of the paper's footnote). Every query attends to all {settings.keys} keys (no mask). The same weights and inputs
@@ -290,24 +347,9 @@ softmax.
 `head_dim={settings.train_head_dim}`, RoPE, pre-RMSNorm, SwiGLU, default initialisation (std 0.02);
 character-level Tiny Shakespeare (vocabulary {corpus.vocab_size}) in blocks of {settings.block_size};
 {settings.steps} steps of batch {settings.batch_size}, AdamW at peak learning rate {settings.learning_rate} with
-{recipe.warmup_steps} warm-up steps and cosine decay, gradient clipping at 1.0. Validation loss on the first
+{training["num_warmup_steps"]} warm-up steps and cosine decay, gradient clipping at 1.0. Validation loss on the first
 {len(corpus.eval_blocks)} validation blocks; attention statistics of the first seed's models after training, on 16
-of them.""",
-        results=f"""{measurement_png}
-
-{table}
-
-{training_png}
-
-{train_table}""",
-        checks=checks,
-        discussion=discussion,
-        revision=REVISION,
-        numbers={"measurement": measured, "training": {
-            label: {"final_eval_losses": t.losses.tolist(), "eval_curves": [r.eval_curve for r in t.runs],
-                    "attention": stats[label], "seconds": t.seconds} for label, t in runs.items()}},
-    )  # fmt: skip
-    session.log(f"wrote {session.output_dir / 'report.md'}")
+of them."""
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from decoderlab import DecoderLabForCausalLM
 from decoderlab.modeling_decoderlab import eager_attention_forward, repeat_kv
-from training.args import Config, TrainConfig, add_flags, coerce, option
+from training.args import Config, TrainConfig, add_flags, coerce, option, parse_config
 from training.checkpointing import git_commit, hardware_description, package_versions
 from training.data import (
     Packing,
@@ -219,21 +219,36 @@ def load_corpus(session: Session, block_size: int, max_eval_blocks: int) -> Corp
 # Training one model with training/'s loop
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """The optimisation of one run; everything else is the shakespeare_char recipe's (AdamW, betas 0.9/0.99)."""
+# The TrainConfig fields every run of an experiment takes unless its Spec sets them; the rest are TrainConfig's
+# defaults (AdamW, betas 0.9/0.99, weight decay 0.1). A Spec that picks another scheduler gives its kwargs too.
+RUN_DEFAULTS = dict(
+    learning_rate=1e-3,
+    num_warmup_steps=0,
+    lr_scheduler_type="cosine_with_min_lr",
+    lr_scheduler_kwargs={"min_lr_rate": 0.1},  # the cosine decays to 10 % of the peak
+    max_grad_norm=1.0,
+    window_sampling="blocks",
+    logging_steps=10,
+    eval_steps=None,  # only the final evaluation, on every eval block
+    max_eval_samples=64,  # blocks of each periodic evaluation
+    per_device_eval_batch_size=64,
+)
+# The fields of a recipe file that shape how its model trains; the experiment sets the others (data, evaluation,
+# logging, checkpoints) alike for every run it compares
+TRAINING_FIELDS = (
+    "per_device_train_batch_size", "max_train_steps", "learning_rate", "embedding_learning_rate",
+    "lr_scheduler_type", "lr_scheduler_kwargs", "num_warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",
+    "max_grad_norm", "window_sampling", "optimizer", "muon_learning_rate", "muon_momentum", "muon_nesterov",
+    "muon_weight_decay", "muon_adjust_lr_fn", "muon_ns_steps",
+)  # fmt: skip
 
-    steps: int
-    batch_size: int
-    learning_rate: float = 1e-3
-    warmup_steps: int = 0
-    scheduler: str = "cosine_with_min_lr"  # a transformers scheduler name; cosine decays to 10 % of the peak
-    max_grad_norm: float | None = 1.0
-    log_every: int = 10
-    eval_every: int | None = None  # periodic evaluations on `eval_samples` blocks (the final one uses all)
-    eval_samples: int = 64
-    window_sampling: str = "blocks"  # training.sampling's windows, as TrainConfig.window_sampling
-    options: dict = field(default_factory=dict)  # any other TrainConfig fields (optimizer, weight_decay, ...), last
+
+def recipe(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(model fields, TrainConfig fields) of a recipe file as ``training/pretrain.py --config PATH`` reads it: its
+    ``model:`` mapping, and its values of ``TRAINING_FIELDS`` (TrainConfig's default where the file is silent), for
+    a Spec that trains as the recipe does (with any fields of the experiment's own over them)."""
+    cfg = parse_config(TrainConfig, ["--config", str(path)])
+    return dict(cfg.model), {name: getattr(cfg, name) for name in TRAINING_FIELDS}
 
 
 @dataclass
@@ -266,42 +281,36 @@ def fresh_model(corpus: Corpus, model_fields: dict, seed: int, prepare: typing.C
 
 @dataclass(frozen=True)
 class Spec:
-    """One trained setting: its name, model fields and recipe; it is trained once per seed of the session.
-    ``prepare``: a module-level function (parallel runs pickle it) applied to each fresh model before training;
-    ``keep_model``: keep the trained models (for measurements after training), or only their numbers."""
+    """One trained setting: its name, model fields and TrainConfig fields (``training``, over ``RUN_DEFAULTS``; it
+    names at least ``max_train_steps`` and ``per_device_train_batch_size``); it is trained once per seed of the
+    session. ``prepare``: a module-level function (parallel runs pickle it) applied to each fresh model before
+    training; ``keep_model``: keep the trained models (for measurements after training), or only their numbers."""
 
     name: str
     model_fields: dict
-    recipe: Recipe
+    training: dict
     prepare: typing.Callable | None = None
     keep_model: bool = True
+
+    def __post_init__(self):
+        missing = [name for name in ("max_train_steps", "per_device_train_batch_size") if name not in self.training]
+        if missing:
+            raise ValueError(f"Spec {self.name!r} sets no {' and no '.join(missing)}: name the run's length and batch.")
+
+
+def run_config(corpus: Corpus, spec: Spec, seed: int, output_dir: pathlib.Path) -> TrainConfig:
+    """The TrainConfig of one run: the corpus's data fields, ``RUN_DEFAULTS``, the spec's fields, and what the
+    harness fixes (the run's scratch folder, no checkpoints, the seed); built anew, so TrainConfig checks it."""
+    fields = {**RUN_DEFAULTS, **spec.training, "output_dir": str(output_dir), "checkpointing_steps": None, "seed": seed}
+    return dataclasses.replace(corpus.cfg, **fields)
 
 
 def train_model(session: Session, corpus: Corpus, spec: Spec, seed: int) -> Run:
     """Train a fresh ``DecoderLabForCausalLM`` (``spec.model_fields`` plus the tokenizer's vocabulary) with
     ``training.loop.train``; the weights and the data order depend only on the seed and the fields, so two
     runs that differ in a field with no parameters (``attention_scale``) start from identical weights."""
-    recipe = spec.recipe
-    scheduler_kwargs = {"min_lr_rate": 0.1} if recipe.scheduler == "cosine_with_min_lr" else {}
     name = f"{spec.name}, seed {seed}"
-    fields = dict(
-        output_dir=str(session.work_dir / name),
-        per_device_train_batch_size=recipe.batch_size,
-        per_device_eval_batch_size=64,
-        learning_rate=recipe.learning_rate,
-        num_warmup_steps=recipe.warmup_steps,
-        lr_scheduler_type=recipe.scheduler,
-        lr_scheduler_kwargs=scheduler_kwargs,
-        max_grad_norm=recipe.max_grad_norm,
-        max_train_steps=recipe.steps,
-        logging_steps=recipe.log_every,
-        eval_steps=recipe.eval_every,
-        max_eval_samples=recipe.eval_samples,
-        checkpointing_steps=None,
-        seed=seed,
-        window_sampling=recipe.window_sampling,
-    )
-    cfg = dataclasses.replace(corpus.cfg, **{**fields, **recipe.options})
+    cfg = run_config(corpus, spec, seed, session.work_dir / name)
     model = fresh_model(corpus, spec.model_fields, seed, spec.prepare)
     accelerator = accelerator_for(session, cfg)
     batches = training_batches(cfg, corpus.train_blocks, dict(seed=seed, process_index=0, num_processes=1))
@@ -315,9 +324,9 @@ def train_model(session: Session, corpus: Corpus, spec: Spec, seed: int) -> Run:
         records = diverged.history
     train_curve = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
     eval_curve = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    if not eval_curve or eval_curve[-1][0] != recipe.steps:  # no final evaluation: the loop stopped early
+    if not eval_curve or eval_curve[-1][0] != cfg.max_train_steps:  # no final evaluation: the loop stopped early
         logged = train_curve[-1][0] if train_curve else 0
-        diverged_by = min(logged + recipe.log_every, recipe.steps)
+        diverged_by = min(logged + cfg.logging_steps, cfg.max_train_steps)
     kept = model.eval() if spec.keep_model else None
     run = Run(name, kept, train_curve, eval_curve, diverged_by, time.perf_counter() - started)
     outcome = f"diverged by step {diverged_by}" if diverged_by else f"validation loss {run.final_eval_loss:.4f}"

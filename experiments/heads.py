@@ -97,6 +97,19 @@ def main(argv: list[str] | None = None) -> None:
     common.run_experiment(NAME, __doc__, Settings(), QUICK, run, argv)
 
 
+@dataclass
+class Measured:
+    """What is measured on the trained models besides their loss."""
+
+    cache: dict  # KV heads -> bytes of the KV cache, measured
+    expected: dict  # KV heads -> 2 (k and v) x layers x KV heads x head_dim x tokens x 4 bytes
+    params: dict  # (query heads, KV heads) -> parameters
+    divergence_trained: np.ndarray  # (seeds, L) JS divergence between heads, each seed's trained model
+    divergence_initial: np.ndarray  # (seeds, L) the same model at its initial weights
+    distance: np.ndarray  # (L, nh) mean attention distance of the first seed's model
+    diversity_blocks: int  # validation blocks the divergence is averaged over
+
+
 def run(session: common.Session, settings: Settings) -> None:
     n_heads = max(settings.head_counts)
     for count in (*settings.head_counts, *settings.kv_head_counts):
@@ -106,56 +119,88 @@ def run(session: common.Session, settings: Settings) -> None:
                 f"--hidden_size {settings.hidden_size}, and each KV head count must divide {n_heads} heads."
             )
     corpus = common.load_corpus(session, settings.block_size, settings.eval_blocks)
-    recipe = common.Recipe(
-        steps=settings.steps, batch_size=settings.batch_size, learning_rate=settings.learning_rate,
-        warmup_steps=settings.steps // 10, log_every=max(1, settings.steps // 25), eval_samples=settings.eval_blocks,
+    training = dict(
+        max_train_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate, num_warmup_steps=settings.steps // 10,
+        logging_steps=max(1, settings.steps // 25), max_eval_samples=settings.eval_blocks,
     )  # fmt: skip
-    base = dict(hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers)
-
-    def fields(heads: int, kv_heads: int) -> dict:
-        return {**base, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
-
     specs = {
-        (heads, heads): common.Spec(f"{heads} heads", fields(heads, heads), recipe) for heads in settings.head_counts
+        (heads, heads): common.Spec(f"{heads} heads", model_fields(settings, heads, heads), training)
+        for heads in settings.head_counts
     }
     for kv_heads in settings.kv_head_counts:
-        specs.setdefault(
-            (n_heads, kv_heads), common.Spec(f"{n_heads} heads, {kv_heads} KV heads", fields(n_heads, kv_heads), recipe)
-        )
+        name = f"{n_heads} heads, {kv_heads} KV heads"
+        specs.setdefault((n_heads, kv_heads), common.Spec(name, model_fields(settings, n_heads, kv_heads), training))
     runs = common.train_all(session, corpus, specs)  # (query heads, KV heads) -> Trials, one run per seed
+    measured = measure(session, settings, corpus, runs)
+    session.log("measured caches and head diversity")
 
-    # KV cache bytes, measured, and the formula 2 (k and v) x layers x KV heads x head_dim x tokens x 4 bytes
+    maps_png = maps_figure(session, settings, corpus, runs, measured)
+    loss_png = loss_figure(session, settings, runs, measured)
+    common.write_report(
+        session,
+        title="Multiple heads, and MHA vs GQA vs MQA",
+        claim=(
+            "Multi-head attention lets the model attend to information from different representation subspaces "
+            "(Vaswani et al. 2017): heads attend differently, and several narrow heads beat one wide head. Sharing keys "
+            "and values across heads (grouped-query, multi-query) shrinks the KV cache at little cost in quality."
+        ),
+        setup=setup_text(session, settings, corpus, training, measured),
+        results=f"""{loss_png}
+
+{runs_table(settings, runs, measured)}
+
+{maps_png}
+
+{diversity_table(settings, measured)}""",
+        checks=checks(settings, runs, measured),
+        discussion=discussion(session, settings, measured),
+        revision=REVISION,
+        numbers={
+            "runs": {f"{h} heads, {kv} kv": {"final_eval_losses": t.losses.tolist(), "mean": t.mean, "std": t.std,
+                     "parameters": measured.params[h, kv], "seconds": t.seconds} for (h, kv), t in runs.items()},
+            "kv_cache_bytes": measured.cache, "js_divergence_trained": measured.divergence_trained.mean(0).tolist(),
+            "js_divergence_initial": measured.divergence_initial.mean(0).tolist(),
+            "attention_distance": measured.distance.tolist(),
+        },
+    )  # fmt: skip
+    session.log(f"wrote {session.output_dir / 'report.md'}")
+
+
+def model_fields(settings: Settings, heads: int, kv_heads: int) -> dict:
+    return dict(hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads)  # fmt: skip
+
+
+def measure(session: common.Session, settings: Settings, corpus: common.Corpus, runs: dict) -> Measured:
+    """KV cache bytes, measured and by the formula; how differently the heads attend, each seed's trained model
+    against its own initial weights; the attention distance of the first seed's model (the one whose maps are drawn)."""
+    n_heads = max(settings.head_counts)
     head_dim = settings.hidden_size // n_heads
     cache = {kv: kv_cache_bytes(runs[n_heads, kv].model, settings.cache_length) for kv in settings.kv_head_counts}
     expected = {kv: 2 * settings.num_hidden_layers * kv * head_dim * settings.cache_length * 4 for kv in cache}
     params = {key: run.model.num_parameters() for key, run in runs.items()}
-
-    # how differently the heads attend: each seed's trained model against its own initial weights
     blocks = corpus.eval_blocks[: settings.diversity_blocks]
-    seed_divergence_trained, seed_divergence_initial = [], []  # (seeds, L) each
+    trained, initial = [], []  # (seeds, L) each
     for seed, run in zip(session.seeds, runs[n_heads, n_heads].runs):
-        initial = common.fresh_model(corpus, fields(n_heads, n_heads), seed).eval()
-        seed_divergence_trained.append(head_divergence(attention_weights(run.model, blocks)))
-        seed_divergence_initial.append(head_divergence(attention_weights(initial, blocks)))
-    seed_divergence_trained, seed_divergence_initial = (
-        np.array(seed_divergence_trained),
-        np.array(seed_divergence_initial),
-    )
-    divergence_trained, divergence_initial = seed_divergence_trained.mean(0), seed_divergence_initial.mean(0)
-    trained = runs[n_heads, n_heads].model  # the first seed's: its maps are drawn
-    distance = attention_distance(attention_weights(trained, blocks))  # (L, nh)
-    session.log("measured caches and head diversity")
+        fresh = common.fresh_model(corpus, model_fields(settings, n_heads, n_heads), seed).eval()
+        trained.append(head_divergence(attention_weights(run.model, blocks)))
+        initial.append(head_divergence(attention_weights(fresh, blocks)))
+    distance = attention_distance(attention_weights(runs[n_heads, n_heads].model, blocks))  # (L, nh)
+    return Measured(cache, expected, params, np.array(trained), np.array(initial), distance, len(blocks))
 
-    # figures: per-head maps of the trained model; losses and cache bytes
+
+def maps_figure(session, settings: Settings, corpus: common.Corpus, runs: dict, measured: Measured) -> str:
+    """The attention weights of every head of the first seed's trained model on a piece of validation text."""
+    n_heads, L = max(settings.head_counts), settings.num_hidden_layers
     text_ids = corpus.eval_blocks[:1, : settings.map_length]
     text = corpus.tokenizer.decode(text_ids[0].tolist())
-    maps = attention_weights(trained, text_ids)[:, 0]  # (L, nh, T, T)
-    L = settings.num_hidden_layers
+    maps = attention_weights(runs[n_heads, n_heads].model, text_ids)[:, 0]  # (L, nh, T, T)
     fig, axes = common.figure(ncols=n_heads, nrows=L, width=max(2.0, 6.0 / n_heads), height=2.1)
     for layer, head in itertools.product(range(L), range(n_heads)):
         ax = axes[layer][head]
         ax.imshow(maps[layer, head].numpy(), cmap="Blues", vmin=0, vmax=1)
-        ax.set_title(f"layer {layer} head {head}\nmean distance {distance[layer, head]:.1f}", fontsize=8)
+        ax.set_title(f"layer {layer} head {head}\nmean distance {measured.distance[layer, head]:.1f}", fontsize=8)
         ax.set_xticks([])
         ax.set_yticks([])
     for layer in range(L):
@@ -163,8 +208,12 @@ def run(session: common.Session, settings: Settings) -> None:
     for head in range(n_heads):
         axes[L - 1][head].set_xlabel("key →", fontsize=8)
     fig.suptitle(f"attention weights of the trained {n_heads}-head model\non the validation text {text!r}", fontsize=9)
-    maps_png = common.save_figure(fig, session, "head_maps.png", "attention maps of every head of the trained model")
+    return common.save_figure(fig, session, "head_maps.png", "attention maps of every head of the trained model")
 
+
+def loss_figure(session, settings: Settings, runs: dict, measured: Measured) -> str:
+    """Loss by head count; MHA/GQA/MQA loss; their KV cache bytes."""
+    n_heads, cache = max(settings.head_counts), measured.cache
     fig, axes = common.figure(ncols=3, width=4.4, height=3.6)
     ax = axes[0][0]
     x = range(len(settings.head_counts))  # head counts evenly spaced, labelled below
@@ -187,15 +236,19 @@ def run(session: common.Session, settings: Settings) -> None:
     ax.bar_label(ax.containers[0], fmt="%.0f KiB")
     ax.set(ylabel="KV cache (KiB, measured)", title=f"KV cache for {settings.cache_length} tokens, batch 1")
     ax.set_ylim(top=1.15 * max(cache.values()) / 2**10)
-    loss_png = common.save_figure(fig, session, "loss_and_cache.png", "loss by heads, and MHA/GQA/MQA loss and cache")
+    return common.save_figure(fig, session, "loss_and_cache.png", "loss by heads, and MHA/GQA/MQA loss and cache")
 
-    # the claim's parts, decided from the numbers
+
+def checks(settings: Settings, runs: dict, measured: Measured) -> list[common.Check]:
+    """The claim's parts, decided from the numbers."""
+    n_heads, cache = max(settings.head_counts), measured.cache
     one = runs.get((1, 1))
     multi = {h: runs[h, h] for h in settings.head_counts if h > 1}
     best = min(multi, key=lambda h: multi[h].mean) if multi else None
     mha = runs[n_heads, n_heads]
     cost = {kv: runs[n_heads, kv].mean - mha.mean for kv in settings.kv_head_counts}
-    checks = [
+    divergence_trained, divergence_initial = measured.divergence_trained.mean(0), measured.divergence_initial.mean(0)
+    return [
         common.Check(
             "several heads reach a lower loss than one head of the same total width (the best head count, by more "
             "than the seed-to-seed spread)",
@@ -207,14 +260,14 @@ def run(session: common.Session, settings: Settings) -> None:
         common.Check(
             f"after training, the heads of each layer attend differently (mean pairwise Jensen-Shannon divergence "
             f"at least 5x that of the same model at initialisation, {n_heads} heads, every seed)",
-            bool(np.all(seed_divergence_trained >= 5 * seed_divergence_initial)),
+            bool(np.all(measured.divergence_trained >= 5 * measured.divergence_initial)),
             "per layer, trained vs initial (mean over seeds): "
             + ", ".join(f"{t:.3g} vs {i:.2g}" for t, i in zip(divergence_trained, divergence_initial)),
         ),
         common.Check(
             "the KV cache shrinks in proportion to the KV heads (measured bytes equal 2 x layers x KV heads x "
             "head_dim x tokens x 4)",
-            all(cache[kv] == expected[kv] for kv in cache),
+            all(cache[kv] == measured.expected[kv] for kv in cache),
             ", ".join(f"{kv} KV heads: {cache[kv] / 2**10:.0f} KiB" for kv in cache),
         ),
         common.Check(
@@ -231,25 +284,39 @@ def run(session: common.Session, settings: Settings) -> None:
         ),
     ]
 
-    runs_table = common.markdown_table(
+
+def runs_table(settings: Settings, runs: dict, measured: Measured) -> str:
+    n_heads, cache = max(settings.head_counts), measured.cache
+    return common.markdown_table(
         ["query heads", "KV heads", "head_dim", "parameters", "final validation loss", "KV cache (KiB)",
          "train time (s)"],
         [
-            [h, kv, settings.hidden_size // h, f"{params[h, kv]:,}", str(trials),
+            [h, kv, settings.hidden_size // h, f"{measured.params[h, kv]:,}", str(trials),
              f"{cache[kv] / 2**10:.0f}" if h == n_heads and kv in cache else "", round(trials.seconds)]
             for (h, kv), trials in runs.items()
         ],
     )  # fmt: skip
-    diversity_table = common.markdown_table(
+
+
+def diversity_table(settings: Settings, measured: Measured) -> str:
+    divergence_trained, divergence_initial = measured.divergence_trained.mean(0), measured.divergence_initial.mean(0)
+    return common.markdown_table(
         ["layer", "JS divergence between heads, trained", "at initialisation", "mean attention distance per head"],
         [
             [layer, divergence_trained[layer], divergence_initial[layer],
-             " / ".join(f"{d:.1f}" for d in distance[layer])]
-            for layer in range(L)
+             " / ".join(f"{d:.1f}" for d in measured.distance[layer])]
+            for layer in range(settings.num_hidden_layers)
         ],
     )  # fmt: skip
+
+
+def discussion(session: common.Session, settings: Settings, measured: Measured) -> str:
+    n_heads = max(settings.head_counts)
+    head_dim = settings.hidden_size // n_heads
+    divergence_trained, divergence_initial = measured.divergence_trained.mean(0), measured.divergence_initial.mean(0)
+    distance = measured.distance
     uniform = (settings.block_size - 1) / 4  # mean distance of uniform causal attention over a block
-    discussion = f"""**What "different subspaces" means here.** Each head has its own slice of W_Q, W_K and W_V, so it
+    return f"""**What "different subspaces" means here.** Each head has its own slice of W_Q, W_K and W_V, so it
 compares queries and keys in its own {head_dim}-dimensional projection; nothing forces the heads to use their
 subspaces differently, so whether they do is an empirical question. The mean Jensen-Shannon divergence between the
 heads of a layer is {", ".join(f"{d:.3g}" for d in divergence_initial)} (layer by layer) at initialisation and
@@ -263,45 +330,23 @@ proportion to the KV heads ({n_heads // min(settings.kv_head_counts)}x fewer byt
 KV head(s) than with {n_heads}) and removes parameters from `k_proj` and `v_proj`. Every setting ran with
 {len(session.seeds)} seeds; a loss difference counts only when the gap between the means exceeds the sum of the two
 seed-to-seed standard deviations."""
-    common.write_report(
-        session,
-        title="Multiple heads, and MHA vs GQA vs MQA",
-        claim=(
-            "Multi-head attention lets the model attend to information from different representation subspaces "
-            "(Vaswani et al. 2017): heads attend differently, and several narrow heads beat one wide head. Sharing keys "
-            "and values across heads (grouped-query, multi-query) shrinks the KV cache at little cost in quality."
-        ),
-        setup=f"""Models with hidden size {settings.hidden_size}, {settings.num_hidden_layers} layers, RoPE, pre-RMSNorm,
+
+
+def setup_text(session, settings: Settings, corpus: common.Corpus, training: dict, measured: Measured) -> str:
+    n_heads = max(settings.head_counts)
+    return f"""Models with hidden size {settings.hidden_size}, {settings.num_hidden_layers} layers, RoPE, pre-RMSNorm,
 SwiGLU; {", ".join(map(str, settings.head_counts))} heads (head_dim = {settings.hidden_size} / heads, so every model
 has the same attention parameters), and at {n_heads} query heads {", ".join(map(str, settings.kv_head_counts))} key/value
 heads. Each is trained on character-level Tiny Shakespeare in blocks of {settings.block_size} for {settings.steps}
 steps of batch {settings.batch_size}, AdamW at peak learning rate {settings.learning_rate} with
-{recipe.warmup_steps} warm-up steps and cosine decay, clipping at 1.0, each with {len(session.seeds)} seeds (weights
+{training["num_warmup_steps"]} warm-up steps and cosine decay, clipping at 1.0, each with {len(session.seeds)} seeds (weights
 and data order; losses are mean ± standard deviation over them); validation loss on
 {len(corpus.eval_blocks)} validation blocks. *KV cache*: the bytes of the key and value tensors held by the
 `DynamicCache` after one forward pass over {settings.cache_length} tokens (float32, batch 1). *Head diversity*: the
 mean Jensen-Shannon divergence between the attention distributions of every pair of heads of a layer, over
-{len(blocks)} validation blocks, for each seed's trained {n_heads}-head model and for the same model at
+{measured.diversity_blocks} validation blocks, for each seed's trained {n_heads}-head model and for the same model at
 initialisation; attention weights are read from the model's own attention call; maps and distances show the first
-seed's model.""",
-        results=f"""{loss_png}
-
-{runs_table}
-
-{maps_png}
-
-{diversity_table}""",
-        checks=checks,
-        discussion=discussion,
-        revision=REVISION,
-        numbers={
-            "runs": {f"{h} heads, {kv} kv": {"final_eval_losses": t.losses.tolist(), "mean": t.mean, "std": t.std,
-                     "parameters": params[h, kv], "seconds": t.seconds} for (h, kv), t in runs.items()},
-            "kv_cache_bytes": cache, "js_divergence_trained": divergence_trained.tolist(),
-            "js_divergence_initial": divergence_initial.tolist(), "attention_distance": distance.tolist(),
-        },
-    )  # fmt: skip
-    session.log(f"wrote {session.output_dir / 'report.md'}")
+seed's model."""
 
 
 if __name__ == "__main__":

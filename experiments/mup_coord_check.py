@@ -158,8 +158,25 @@ def run(session: common.Session, settings: Settings) -> None:
     batch = corpus.train_blocks[: settings.batch_size].long()
     result = coordinate_check(settings, batch, corpus.vocab_size, session.seeds)
     session.log("measured every width")
-    widths = np.array(settings.widths)
+    plot = figure(session, settings, result)
+    numbers = {
+        parametrization: {
+            "slope": result[parametrization]["slope"],
+            "l1": {name: values.tolist() for name, values in result[parametrization]["l1"].items()},
+            "loss": result[parametrization]["loss"].tolist(),
+        }
+        for parametrization in PARAMETRIZATIONS
+    } | {"widths": list(settings.widths)}
+    common.write_report(
+        session, title="The muP coordinate check", claim=__doc__.split("\n\n")[0].replace("\n", " "),
+        setup=setup_text(settings), results=results_text(settings, result, plot), checks=checks(settings, result),
+        discussion=DISCUSSION, numbers=numbers, revision=REVISION,
+    )  # fmt: skip
 
+
+def figure(session: common.Session, settings: Settings, result: dict) -> str:
+    """Mean |activation| against the width, one panel per parametrization and activation, one line per step."""
+    widths = np.array(settings.widths)
     fig, axes = common.figure(ncols=len(ACTIVATIONS), nrows=2, width=3.2, height=2.9)
     for row, parametrization in enumerate(PARAMETRIZATIONS):
         for col, name in enumerate(ACTIVATIONS):
@@ -175,11 +192,15 @@ def run(session: common.Session, settings: Settings) -> None:
                 ax.set_ylabel("mean |x|", fontsize=8)
             ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=6)
-    plot = common.save_figure(fig, session, "coord_check.png", "mean |activation| against width, each step")
+    return common.save_figure(fig, session, "coord_check.png", "mean |activation| against width, each step")
 
+
+def checks(settings: Settings, result: dict) -> list[common.Check]:
+    """The claim's parts, decided from the numbers."""
+    widths = settings.widths
     growing = [name for name in ACTIVATIONS if name != "embedding"]
     mup, standard = result["mup"]["slope"], result["standard"]["slope"]
-    checks = [
+    return [
         common.Check(
             f"under muP every activation keeps its scale across widths {widths[0]}-{widths[-1]} after "
             f"{settings.steps} steps (|slope| < {FLAT})",
@@ -199,19 +220,27 @@ def run(session: common.Session, settings: Settings) -> None:
             f"standard {standard['embedding']:+.2f}, muP {mup['embedding']:+.2f}",
         ),
     ]
+
+
+def results_text(settings: Settings, result: dict, plot: str) -> str:
+    mup, standard = result["mup"]["slope"], result["standard"]["slope"]
     rows = [
         [name, f"{standard[name]:+.2f}", f"{mup[name]:+.2f}",
          f"{result['standard']['l1'][name][-1, -1] / result['standard']['l1'][name][0, -1]:.3g}x",
          f"{result['mup']['l1'][name][-1, -1] / result['mup']['l1'][name][0, -1]:.3g}x"]
         for name in ACTIVATIONS
     ]  # fmt: skip
-    ratio = f"{widths[-1]} / {widths[0]}"
-    results = (
+    ratio = f"{settings.widths[-1]} / {settings.widths[0]}"
+    return (
         f"{plot}\n\nSlope of log mean |x| against log width after step {settings.steps}, and the ratio of mean |x| "
         f"at width {ratio}:\n\n"
         + common.markdown_table(["activation", "standard slope", "muP slope", f"standard {ratio}", f"muP {ratio}"], rows)
     )
-    setup = (
+
+
+def setup_text(settings: Settings) -> str:
+    widths = settings.widths
+    return (
         f"Widths {', '.join(map(str, settings.widths))}; {settings.num_hidden_layers} layers, "
         f"{settings.num_attention_heads} heads (head_dim {widths[0] // settings.num_attention_heads} to "
         f"{widths[-1] // settings.num_attention_heads}), the default (Llama-like) architecture; muP with "
@@ -221,29 +250,18 @@ def run(session: common.Session, settings: Settings) -> None:
         "Shakespeare, repeated; the l1 of each activation is recorded before every step (t=0: at initialisation) "
         "and after the last, averaged over the layers and over the seeds."
     )
-    discussion = (
-        "Under the standard parametrization Adam moves every weight entry by about the learning rate whatever the "
-        "width, so a hidden matrix's update changes its output by about (learning rate x width): the activations "
-        "after the first step grow with the width, and the learning rate that is right at one width is too large "
-        "at a wider one. muP's 1/m on the hidden matrices' rate, 1/m on the logits and 1/head_dim on the attention "
-        "logits undo each of those growths, which is what lets a learning rate tuned at a small width carry over "
-        "(see the `mup_transfer` experiment). At t=0 muP's logits shrink like 1/sqrt(width) (the head is drawn "
-        "at a fixed std and multiplied by 1/m), the transient the mup package describes; after a few steps the "
-        "updates dominate."
-    )
-    numbers = {
-        parametrization: {
-            "slope": result[parametrization]["slope"],
-            "l1": {name: values.tolist() for name, values in result[parametrization]["l1"].items()},
-            "loss": result[parametrization]["loss"].tolist(),
-        }
-        for parametrization in PARAMETRIZATIONS
-    } | {"widths": list(settings.widths)}
-    common.write_report(
-        session, title="The muP coordinate check", claim=__doc__.split("\n\n")[0].replace("\n", " "),
-        setup=setup, results=results, checks=checks, discussion=discussion, numbers=numbers, revision=REVISION,
-    )  # fmt: skip
 
+
+DISCUSSION = (
+    "Under the standard parametrization Adam moves every weight entry by about the learning rate whatever the "
+    "width, so a hidden matrix's update changes its output by about (learning rate x width): the activations "
+    "after the first step grow with the width, and the learning rate that is right at one width is too large "
+    "at a wider one. muP's 1/m on the hidden matrices' rate, 1/m on the logits and 1/head_dim on the attention "
+    "logits undo each of those growths, which is what lets a learning rate tuned at a small width carry over "
+    "(see the `mup_transfer` experiment). At t=0 muP's logits shrink like 1/sqrt(width) (the head is drawn "
+    "at a fixed std and multiplied by 1/m), the transient the mup package describes; after a few steps the "
+    "updates dominate."
+)
 
 
 if __name__ == "__main__":

@@ -115,9 +115,31 @@ def main(argv: list[str] | None = None) -> None:
     common.run_experiment(NAME, __doc__, Settings(), QUICK, run, argv)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """When a run failed: it diverged (NaN/inf) or ended within FAILURE_MARGIN of the context-free unigram loss
+    ``baseline`` (or above it)."""
+
+    baseline: float
+
+    def failed(self, run: common.Run) -> bool:
+        return run.diverged_by is not None or run.final_eval_loss >= self.baseline - FAILURE_MARGIN
+
+    def fails(self, t: common.Trials) -> bool:
+        """Most seeds failed."""
+        return t.count(self.failed) > len(t.runs) / 2
+
+    def trains(self, t: common.Trials) -> bool:
+        """No seed failed."""
+        return t.count(self.failed) == 0
+
+    def count(self, t: common.Trials) -> str:
+        return f"{t.count(self.failed)}/{len(t.runs)} failed"
+
+
 def run(session: common.Session, settings: Settings) -> None:
     corpus = common.load_corpus(session, settings.block_size, settings.eval_blocks)
-    baseline = unigram_entropy(corpus.train_blocks, corpus.vocab_size)
+    failure = Failure(unigram_entropy(corpus.train_blocks, corpus.vocab_size))
     grad_batches = list(corpus.train_blocks[: settings.grad_batches * settings.batch_size].split(settings.batch_size))
 
     # gradient norms at initialisation: every set-up, depth and placement, every seed
@@ -132,37 +154,70 @@ def run(session: common.Session, settings: Settings) -> None:
                 ])  # fmt: skip
     session.log("measured gradient norms at initialisation")
 
-    def recipe(learning_rate: float, warmup: str) -> common.Recipe:
-        return common.Recipe(
-            steps=settings.steps, batch_size=settings.batch_size, learning_rate=learning_rate,
-            warmup_steps=settings.warmup_steps if warmup == "warmup" else 0, scheduler="constant_with_warmup",
-            max_grad_norm=settings.max_grad_norm, log_every=max(1, settings.steps // 30),
-            eval_samples=settings.eval_blocks,
+    trials = common.train_all(session, corpus, specs(settings))
+    grad_png = grad_norm_figure(session, settings, grad_norms)
+    loss_png = loss_figure(session, settings, trials, failure.baseline)
+    common.write_report(
+        session,
+        title="Norm placement: pre-LN, post-LN and sandwich-LN, learning rate and warmup",
+        claim=(
+            "Post-LN Transformers are unstable when deep unless the learning rate is warmed up; pre-LN Transformers "
+            "train stably without warmup (Xiong et al. 2020, On Layer Normalization in the Transformer Architecture)."
+        ),
+        setup=setup_text(session, settings, corpus, len(grad_batches)),
+        results=f"""{grad_png}
+
+‖∂L/∂W2‖ at initialisation, first and last layer (mean over seeds):
+
+{grad_table(settings, grad_norms)}
+
+{loss_png}
+
+Final validation loss (nats/char), paper set-up, {settings.sweep_depth} layers:
+
+{loss_table(settings, trials, failure, "paper")}
+
+The same with decoderlab's initialisation:
+
+{loss_table(settings, trials, failure, "decoderlab")}""",
+        checks=checks(settings, trials, grad_norms, failure),
+        discussion=discussion(session, settings, trials, grad_norms, failure),
+        revision=REVISION,
+        numbers={
+            "unigram_loss": failure.baseline,
+            "runs": {", ".join(map(str, key)): {"final_eval_losses": t.losses.tolist(), "mean": t.mean, "std": t.std,
+                     "failed": t.count(failure.failed), "diverged_by": [r.diverged_by for r in t.runs],
+                     "seconds": t.seconds} for key, t in trials.items()},
+            "ffn_output_grad_norm_at_init": {", ".join(map(str, key)): g.tolist() for key, g in grad_norms.items()},
+        },
+    )  # fmt: skip
+    session.log(f"wrote {session.output_dir / 'report.md'}")
+
+
+def specs(settings: Settings) -> dict:
+    """(init, placement, learning rate, warmup) -> Spec: the sweep at ``sweep_depth``, a constant rate after the
+    warmup (none in the "no warmup" runs)."""
+
+    def training(learning_rate: float, warmup: str) -> dict:
+        return dict(
+            max_train_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
+            learning_rate=learning_rate, num_warmup_steps=settings.warmup_steps if warmup == "warmup" else 0,
+            lr_scheduler_type="constant_with_warmup", lr_scheduler_kwargs={}, max_grad_norm=settings.max_grad_norm,
+            logging_steps=max(1, settings.steps // 30), max_eval_samples=settings.eval_blocks,
         )  # fmt: skip
 
-    specs = {
+    return {
         (init, placement, lr, warmup): common.Spec(
             f"{init} init, {placement}-LN, lr {lr:g}, {warmup}",
-            model_fields(settings, placement, settings.sweep_depth), recipe(lr, warmup), PREPARE[init],
+            model_fields(settings, placement, settings.sweep_depth), training(lr, warmup), PREPARE[init],
             keep_model=False,
         )
         for init in INITS for placement in PLACEMENTS for lr in settings.learning_rates for warmup in WARMUPS
     }  # fmt: skip
-    trials = common.train_all(session, corpus, specs)
 
-    def failed(run: common.Run) -> bool:
-        """Diverged (NaN/inf) or ended within FAILURE_MARGIN of the context-free unigram loss (or above it)."""
-        return run.diverged_by is not None or run.final_eval_loss >= baseline - FAILURE_MARGIN
 
-    def fails(t: common.Trials) -> bool:
-        """Most seeds failed."""
-        return t.count(failed) > len(t.runs) / 2
-
-    def trains(t: common.Trials) -> bool:
-        """No seed failed."""
-        return t.count(failed) == 0
-
-    # figure: gradient norm of W2 per layer at initialisation
+def grad_norm_figure(session: common.Session, settings: Settings, grad_norms: dict) -> str:
+    """The gradient norm of W2 per layer at initialisation, each set-up and depth."""
     fig, axes = common.figure(ncols=len(settings.depths), nrows=len(INITS), width=3.2, height=3.0)
     for row, init in enumerate(INITS):
         for ax, depth in zip(axes[row], settings.depths):
@@ -175,9 +230,11 @@ def run(session: common.Session, settings: Settings) -> None:
                    title=f"{init} init, {depth} layers")  # fmt: skip
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend(fontsize=7)
-    grad_png = common.save_figure(fig, session, "grad_norm_at_init.png", "gradient norm of W2 per layer at init")
+    return common.save_figure(fig, session, "grad_norm_at_init.png", "gradient norm of W2 per layer at init")
 
-    # figure: final loss against learning rate, per set-up; and training curves of the paper's set-up
+
+def loss_figure(session: common.Session, settings: Settings, trials: dict, baseline: float) -> str:
+    """Final loss against learning rate, per set-up; and the training curves of the paper's set-up."""
     top = baseline + 0.5
     fig, axes = common.figure(ncols=len(INITS) + 1, width=4.6, height=3.8)
     x = np.log10(settings.learning_rates)
@@ -203,17 +260,20 @@ def run(session: common.Session, settings: Settings) -> None:
     ax.set(xlabel="step", ylabel="training loss (nats/char)", title=f"paper set-up, lr {largest:g}: every seed")
     ax.set_ylim(top=max(4.5, baseline + 1))
     ax.legend(fontsize=6)
-    loss_png = common.save_figure(
+    return common.save_figure(
         fig, session, "loss_vs_lr.png", "final loss against learning rate, with and without warmup"
     )
 
-    # the claim's parts, decided from the numbers (the paper's set-up)
+
+def checks(settings: Settings, trials: dict, grad_norms: dict, failure: Failure) -> list[common.Check]:
+    """The claim's parts, decided from the numbers (the paper's set-up)."""
     deepest = settings.depths[-1]
     ratio = {
         p: grad_norms["paper", p, deepest].mean(0)[-1] / grad_norms["paper", p, deepest].mean(0)[0] for p in PLACEMENTS
     }
     rates = settings.learning_rates
     paper = {key[1:]: t for key, t in trials.items() if key[0] == "paper"}  # (placement, lr, warmup) -> Trials
+    fails, trains = failure.fails, failure.trains
     post_fails = [lr for lr in rates if fails(paper["post", lr, "no warmup"]) and trains(paper["pre", lr, "no warmup"])]
     rescued = [lr for lr in post_fails if trains(paper["post", lr, "warmup"])]
     pre_trains = [lr for lr in rates if trains(paper["pre", lr, "no warmup"])]
@@ -224,8 +284,8 @@ def run(session: common.Session, settings: Settings) -> None:
         return min(finite, key=lambda t: t.mean) if finite else paper[placement, rates[0], warmup]
 
     pre_best, post_best = best("pre", "no warmup"), best("post", "warmup")
-    failures = lambda t: f"{t.count(failed)}/{len(t.runs)} failed"
-    checks = [
+    failures = failure.count
+    return [
         common.Check(
             f"at initialisation, post-LN's ‖∂L/∂W2‖ grows toward the output ({deepest} layers: last/first > 2) while "
             "pre-LN's stays about the same in every layer (within 2x), as in the paper's Figure 3",
@@ -261,18 +321,24 @@ def run(session: common.Session, settings: Settings) -> None:
         ),
     ]
 
-    header = ["learning rate"] + [f"{p}-LN {w}" for p in PLACEMENTS for w in WARMUPS]
+
+def loss_table(settings: Settings, trials: dict, failure: Failure, init: str) -> str:
+    """Final validation loss of one set-up: a row per learning rate, a column per placement and warmup."""
 
     def cell(t: common.Trials) -> str:
-        return f"{t}" + (f" ({failures(t)})" if t.count(failed) else "")
+        return f"{t}" + (f" ({failure.count(t)})" if t.count(failure.failed) else "")
 
-    loss_tables = {
-        init: common.markdown_table(
-            header, [[f"{lr:g}"] + [cell(trials[init, p, lr, w]) for p in PLACEMENTS for w in WARMUPS] for lr in rates]
-        )
-        for init in INITS
-    }
-    grad_table = common.markdown_table(
+    return common.markdown_table(
+        ["learning rate"] + [f"{p}-LN {w}" for p in PLACEMENTS for w in WARMUPS],
+        [
+            [f"{lr:g}"] + [cell(trials[init, p, lr, w]) for p in PLACEMENTS for w in WARMUPS]
+            for lr in settings.learning_rates
+        ],
+    )
+
+
+def grad_table(settings: Settings, grad_norms: dict) -> str:
+    return common.markdown_table(
         ["layers"] + [f"{init}: {p}-LN first / last" for init in INITS for p in PLACEMENTS],
         [
             [d] + [f"{g[0]:.3g} / {g[-1]:.3g}" for init in INITS for p in PLACEMENTS
@@ -280,22 +346,23 @@ def run(session: common.Session, settings: Settings) -> None:
             for d in settings.depths
         ],
     )  # fmt: skip
+
+
+def toward(profile: np.ndarray) -> str:
+    """Where a gradient-norm profile over the layers grows."""
+    r = profile[-1] / profile[0]
+    if 0.5 < r < 2:
+        return "is about the same in every layer"
+    return "grows toward the output" if r > 1 else "grows toward the input"
+
+
+def discussion(session: common.Session, settings: Settings, trials: dict, grad_norms: dict, failure: Failure) -> str:
+    deepest, baseline, n_seeds = settings.depths[-1], failure.baseline, len(session.seeds)
     seconds = sum(t.seconds for t in trials.values())
-    clipping = (
-        "no gradient clipping" if settings.max_grad_norm is None else f"gradient clipping at {settings.max_grad_norm}"
-    )
-    n_seeds = len(session.seeds)
-
-    def toward(profile: np.ndarray) -> str:
-        r = profile[-1] / profile[0]
-        if 0.5 < r < 2:
-            return "is about the same in every layer"
-        return "grows toward the output" if r > 1 else "grows toward the input"
-
     profiles = {
         init: {p: grad_norms[init, p, deepest].mean(0) for p in ("post", "pre")} for init in INITS
     }  # fmt: skip
-    discussion = f"""A run *failed* when its loss became NaN/inf or its final validation loss ended less than
+    return f"""A run *failed* when its loss became NaN/inf or its final validation loss ended less than
 {FAILURE_MARGIN} nats below the unigram loss {baseline:.3f} (what a model that ignores the context achieves); a setting
 *fails* when most of its {n_seeds} seeds failed and *trains* when none did. Cells are mean ± standard deviation over
 the seeds. All {sum(len(t.runs) for t in trials.values())} runs took {seconds:.0f} s of training together.
@@ -312,14 +379,14 @@ decoderlab's initialisation post-LN's {toward(profiles["decoderlab"]["post"])}
 {profiles["decoderlab"]["pre"][-1]:.3g}). Adam normalises each parameter's step, so a larger gradient in one layer does
 not by itself mean a larger update there. Rerun with `--learning_rates`, `--sweep_depth`, `--steps`,
 `--warmup_steps`, `--max_grad_norm` or larger sizes to see where the boundaries lie."""
-    common.write_report(
-        session,
-        title="Norm placement: pre-LN, post-LN and sandwich-LN, learning rate and warmup",
-        claim=(
-            "Post-LN Transformers are unstable when deep unless the learning rate is warmed up; pre-LN Transformers "
-            "train stably without warmup (Xiong et al. 2020, On Layer Normalization in the Transformer Architecture)."
-        ),
-        setup=f"""The original Transformer's decoder (`DecoderLabConfig.from_preset("vaswani")`: LayerNorm, sinusoidal
+
+
+def setup_text(session: common.Session, settings: Settings, corpus: common.Corpus, grad_batches: int) -> str:
+    clipping = (
+        "no gradient clipping" if settings.max_grad_norm is None else f"gradient clipping at {settings.max_grad_norm}"
+    )
+    n_seeds = len(session.seeds)
+    return f"""The original Transformer's decoder (`DecoderLabConfig.from_preset("vaswani")`: LayerNorm, sinusoidal
 positions, ReLU MLP, tied embeddings) with {settings.hidden_size} hidden units and {settings.num_attention_heads}
 heads, the norm placed pre, post or sandwich (post-LN has no final norm: every block ends in one). Two set-ups:
 *paper*, as Xiong et al. analyse it: every projection Xavier-uniform with zero bias, token embeddings of std
@@ -327,40 +394,13 @@ heads, the norm placed pre, post or sandwich (post-LN has no final norm: every b
 initialisation: normal std 0.02 (embeddings too, so {0.02 * math.sqrt(settings.hidden_size):.2g} after the multiplier),
 residual output projections scaled by 1/sqrt(2 x layers) as in GPT-2.
 *Gradient norms at initialisation* (the paper's Figure 3): ‖∂L/∂W2‖ of each layer's second FFN matrix at
-{", ".join(map(str, settings.depths))} layers, averaged over {len(grad_batches)} training batches, for each of
+{", ".join(map(str, settings.depths))} layers, averaged over {grad_batches} training batches, for each of
 {n_seeds} seeds (faint lines) and their mean. *Learning-rate sweep* at {settings.sweep_depth} layers: every
-(set-up, placement, learning rate {", ".join(f"{lr:g}" for lr in rates)}) trained *with warmup* (linear over
+(set-up, placement, learning rate {", ".join(f"{lr:g}" for lr in settings.learning_rates)}) trained *with warmup* (linear over
 {settings.warmup_steps} steps) and *without*, then constant, for {settings.steps} steps of batch
 {settings.batch_size} x {settings.block_size} characters of Tiny Shakespeare; AdamW, weight decay 0.1, {clipping};
 {n_seeds} seeds each (weights and data order); final validation loss on {len(corpus.eval_blocks)} validation
-blocks.""",
-        results=f"""{grad_png}
-
-‖∂L/∂W2‖ at initialisation, first and last layer (mean over seeds):
-
-{grad_table}
-
-{loss_png}
-
-Final validation loss (nats/char), paper set-up, {settings.sweep_depth} layers:
-
-{loss_tables["paper"]}
-
-The same with decoderlab's initialisation:
-
-{loss_tables["decoderlab"]}""",
-        checks=checks,
-        discussion=discussion,
-        revision=REVISION,
-        numbers={
-            "unigram_loss": baseline,
-            "runs": {", ".join(map(str, key)): {"final_eval_losses": t.losses.tolist(), "mean": t.mean, "std": t.std,
-                     "failed": t.count(failed), "diverged_by": [r.diverged_by for r in t.runs],
-                     "seconds": t.seconds} for key, t in trials.items()},
-            "ffn_output_grad_norm_at_init": {", ".join(map(str, key)): g.tolist() for key, g in grad_norms.items()},
-        },
-    )  # fmt: skip
-    session.log(f"wrote {session.output_dir / 'report.md'}")
+blocks."""
 
 
 if __name__ == "__main__":

@@ -101,6 +101,40 @@ def main(argv: list[str] | None = None) -> None:
     common.run_experiment(NAME, __doc__, Settings(), QUICK, run, argv)
 
 
+@dataclass
+class Measured:
+    """What is measured on the trained models: (a) score maps, (b) the shift test, (c) the loss by position."""
+
+    char: str  # the repeated character of the score maps
+    maps: dict  # kind -> (T, T) layer-0 head-0 scores of the first seed's model
+    spreads: dict  # kind -> diagonal spread of its map
+    shift_change: dict  # kind -> relative change of layer 0's scores when the text moves
+    seed_position_loss: dict  # kind -> (seeds, eval_length - 1) loss at each position
+    train_length: int  # block_size: the positions trained on
+
+    @property
+    def position_loss(self) -> dict:
+        """kind -> (eval_length - 1,) mean over the seeds; [i] is the loss of predicting position i + 1."""
+        return {kind: losses.mean(0) for kind, losses in self.seed_position_loss.items()}
+
+    @property
+    def seed_rise(self) -> dict:
+        """kind -> (seeds,) loss beyond the training length minus loss well inside it."""
+        T = self.train_length
+        inside = slice(T // 2 - 1, T - 1)  # predictions of positions T/2 .. T-1: well inside the training length
+        beyond = slice(T - 1, None)  # predictions of positions T .. eval_length-1: never trained on
+        return {kind: losses[:, beyond].mean(1) - losses[:, inside].mean(1)
+                for kind, losses in self.seed_position_loss.items()}  # fmt: skip
+
+    @property
+    def rise(self) -> dict:
+        return {kind: float(values.mean()) for kind, values in self.seed_rise.items()}
+
+    def band_loss(self, kind: str, band: tuple[int, int]) -> float:
+        """Mean loss of predicting the positions ``band[0]`` to ``band[1] - 1``."""
+        return float(self.position_loss[kind][max(band[0] - 1, 0) : band[1] - 1].mean())
+
+
 def run(session: common.Session, settings: Settings) -> None:
     if settings.eval_length <= settings.block_size:
         raise ValueError(
@@ -109,9 +143,10 @@ def run(session: common.Session, settings: Settings) -> None:
         )
     corpus = common.load_corpus(session, settings.block_size, settings.eval_blocks)
     long_blocks = corpus.validation_blocks(settings.eval_length, settings.eval_sequences)
-    recipe = common.Recipe(
-        steps=settings.steps, batch_size=settings.batch_size, learning_rate=settings.learning_rate,
-        warmup_steps=settings.steps // 10, log_every=max(1, settings.steps // 20), eval_samples=settings.eval_blocks,
+    training = dict(
+        max_train_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate, num_warmup_steps=settings.steps // 10,
+        logging_steps=max(1, settings.steps // 20), max_eval_samples=settings.eval_blocks,
     )  # fmt: skip
     model_fields = dict(
         hidden_size=settings.hidden_size, num_hidden_layers=settings.num_hidden_layers,
@@ -122,19 +157,56 @@ def run(session: common.Session, settings: Settings) -> None:
     )  # fmt: skip
     specs = {
         kind: common.Spec(
-            kind, {**model_fields, **position_fields(kind, settings.hidden_size)}, recipe,
+            kind, {**model_fields, **position_fields(kind, settings.hidden_size)}, training,
             vaswani_embeddings if kind in ABSOLUTE else None,
         )
         for kind in POSITION_TYPES
     }  # fmt: skip
     runs = common.train_all(session, corpus, specs)  # kind -> Trials; maps and shifts read the first seed's model
+    measured = measure(settings, corpus, runs, long_blocks)
+    session.log("measured score maps, shifts and long-sequence losses")
 
+    maps_png = maps_figure(session, settings, measured)
+    length_png = length_figure(session, settings, measured, len(long_blocks))
+    common.write_report(
+        session,
+        title="RoPE encodes relative position",
+        claim=(
+            "Rotary position embeddings make the query-key score depend only on the offset between the two "
+            "positions (Su et al. 2021): for fixed content the score map over (query position, key position) is "
+            "constant along its diagonals, which is not so for absolute encodings. Compared with them, RoPE, "
+            "sinusoidal, learned and no positions are also evaluated beyond the training length."
+        ),
+        setup=setup_text(session, settings, training, measured, len(long_blocks)),
+        results=f"""{maps_png}
+
+{structure_table(settings, runs, measured)}
+
+{length_png}
+
+Mean loss (nats/char) by position band:
+
+{length_table(settings, measured)}""",
+        checks=checks(settings, measured),
+        discussion=discussion(session, settings, runs, measured),
+        revision=REVISION,
+        numbers={
+            "char": measured.char, "diagonal_spread": measured.spreads, "shift_change": measured.shift_change,
+            "rise_beyond": measured.rise,
+            "position_loss": {kind: loss.round(4).tolist() for kind, loss in measured.position_loss.items()},
+            "rise_beyond_per_seed": {kind: values.tolist() for kind, values in measured.seed_rise.items()},
+            "runs": {kind: {"final_eval_losses": t.losses.tolist(), "eval_curves": [r.eval_curve for r in t.runs],
+                     "seconds": t.seconds} for kind, t in runs.items()},
+        },
+    )  # fmt: skip
+    session.log(f"wrote {session.output_dir / 'report.md'}")
+
+
+def measure(settings: Settings, corpus: common.Corpus, runs: dict, long_blocks: torch.Tensor) -> Measured:
     # (a) score maps for fixed content: one character repeated, the most frequent one in the validation text
     char_id = int(torch.bincount(corpus.eval_blocks.flatten().long()).argmax())
-    char = corpus.tokenizer.decode([char_id])
     repeated = torch.full((1, settings.map_length), char_id)
     maps = {kind: first_layer_scores(run.model, repeated)[0] for kind, run in runs.items()}  # head 0: (T, T)
-    spreads = {kind: diagonal_spread(m) for kind, m in maps.items()}
 
     # (b) a real text at absolute positions 0.. and shift..: does layer 0 score it the same?
     text = corpus.eval_blocks[:1, : settings.map_length].long()
@@ -151,23 +223,22 @@ def run(session: common.Session, settings: Settings) -> None:
         kind: np.array([common.token_losses(run.model, long_blocks).mean(0).numpy() for run in trials.runs])
         for kind, trials in runs.items()
     }  # kind -> (seeds, eval_length - 1)
-    position_loss = {kind: losses.mean(0) for kind, losses in seed_position_loss.items()}
-    session.log("measured score maps, shifts and long-sequence losses")
-    T = settings.block_size
-    inside = slice(T // 2 - 1, T - 1)  # predictions of positions T/2 .. T-1: well inside the training length
-    beyond = slice(T - 1, None)  # predictions of positions T .. eval_length-1: never trained on
-    seed_rise = {
-        kind: losses[:, beyond].mean(1) - losses[:, inside].mean(1) for kind, losses in seed_position_loss.items()
-    }  # kind -> (seeds,)
-    rise = {kind: float(values.mean()) for kind, values in seed_rise.items()}
+    return Measured(
+        corpus.tokenizer.decode([char_id]), maps, {kind: diagonal_spread(m) for kind, m in maps.items()},
+        shift_change, seed_position_loss, settings.block_size,
+    )  # fmt: skip
 
+
+def maps_figure(session: common.Session, settings: Settings, measured: Measured) -> str:
+    """Each model's score map for the repeated character, and its scores against the offset at a few queries."""
     fig, axes = common.figure(ncols=len(POSITION_TYPES), nrows=2, width=3.6, height=3.4)
     causal = torch.ones(settings.map_length, settings.map_length, dtype=torch.bool).tril()
-    for col, (kind, scores) in enumerate(maps.items()):
+    for col, (kind, scores) in enumerate(measured.maps.items()):
         ax = axes[0][col]
         shown = scores.masked_fill(~causal, float("nan")).numpy()
         image = ax.imshow(shown, cmap="viridis", origin="upper")
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+        spreads = measured.spreads
         spread = "n/a (all equal)" if np.isnan(spreads[kind]) else f"{spreads[kind]:.2g}"
         ax.set(title=f"{kind}: diagonal spread {spread}", xlabel="key position", ylabel="query position")
         ax = axes[1][col]
@@ -177,28 +248,34 @@ def run(session: common.Session, settings: Settings) -> None:
             ax.plot(offsets, scores[query, query - offsets].numpy(), lw=width, label=f"query at {query}")
         ax.set(title=f"{kind}: score vs offset", xlabel="offset (query - key)", ylabel="score q·k·scale")
         ax.legend(fontsize=7)
-    maps_png = common.save_figure(
-        fig, session, "score_maps.png", f"layer-0 head-0 score maps for the repeated character {char!r}"
+    return common.save_figure(
+        fig, session, "score_maps.png", f"layer-0 head-0 score maps for the repeated character {measured.char!r}"
     )
 
+
+def length_figure(session: common.Session, settings: Settings, measured: Measured, sequences: int) -> str:
+    """The loss at each position of the long validation sequences, each seed and their mean."""
+    T = settings.block_size
     fig, axes = common.figure(ncols=1, width=7.5, height=4.2)
     ax = axes[0][0]
     window = max(1, min(16, settings.eval_length // 16))
-    for i, (kind, losses) in enumerate(seed_position_loss.items()):
+    for i, (kind, losses) in enumerate(measured.seed_position_loss.items()):
         x = np.arange(len(smooth(losses[0], window))) + 1 + window // 2
         for loss in losses:  # one faint line per seed, the mean on top
             ax.plot(x, smooth(loss, window), color=f"C{i}", alpha=0.25, lw=0.8)
         ax.plot(x, smooth(losses.mean(0), window), color=f"C{i}", label=f"{kind} (mean of {len(losses)} seeds)")
     ax.axvline(T, color="gray", ls=":", label=f"training length {T}")
     ax.set(xlabel="position of the predicted character", ylabel=f"loss (nats/char, mean of {window})",
-           title=f"loss by position on {len(long_blocks)} validation sequences of {settings.eval_length}")  # fmt: skip
-    ax.set_ylim(top=min(6.0, max(float(loss.max()) for loss in position_loss.values()) + 0.2))
+           title=f"loss by position on {sequences} validation sequences of {settings.eval_length}")  # fmt: skip
+    ax.set_ylim(top=min(6.0, max(float(loss.max()) for loss in measured.position_loss.values()) + 0.2))
     ax.legend()
-    length_png = common.save_figure(
-        fig, session, "length_generalization.png", "loss by position beyond the training length"
-    )
+    return common.save_figure(fig, session, "length_generalization.png", "loss by position beyond the training length")
 
-    checks = [
+
+def checks(settings: Settings, measured: Measured) -> list[common.Check]:
+    """The claim's parts, decided from the numbers."""
+    spreads, shift_change, seed_rise = measured.spreads, measured.shift_change, measured.seed_rise
+    return [
         common.Check(
             "RoPE's scores for fixed content are constant along every diagonal (spread under 1e-4)",
             bool(spreads["rope"] < 1e-4),
@@ -216,38 +293,53 @@ def run(session: common.Session, settings: Settings) -> None:
             ", ".join(f"{kind} {shift_change[kind]:.2g}" for kind in POSITION_TYPES),
         ),
         common.Check(
-            f"beyond the training length ({T}), RoPE's loss rises less than learned and sinusoidal positions' "
-            "(by more than the seed-to-seed spread)",
+            f"beyond the training length ({settings.block_size}), RoPE's loss rises less than learned and sinusoidal "
+            "positions' (by more than the seed-to-seed spread)",
             all(common.lower_beyond_spread(seed_rise["rope"], seed_rise[kind]) for kind in ABSOLUTE),
             ", ".join(f"{kind} {common.mean_pm(seed_rise[kind])}" for kind in POSITION_TYPES)
             + "; rope vs "
             + ", ".join(f"{kind}: {common.spread_note(seed_rise['rope'], seed_rise[kind])}" for kind in ABSOLUTE),
         ),
     ]
+
+
+def bands(settings: Settings) -> list[tuple[int, int]]:
+    """Position bands (first, last + 1): the first and second half of the training length, then beyond it."""
+    T = settings.block_size
     bands = [(0, T // 2), (T // 2, T), (T, 2 * T), (2 * T, 4 * T), (4 * T, settings.eval_length)]
-    bands = [(a, min(b, settings.eval_length)) for a, b in bands if a < settings.eval_length]
-    # position_loss[i] is the loss of predicting position i + 1 from positions 0..i
-    band_loss = lambda kind, band: float(position_loss[kind][max(band[0] - 1, 0) : band[1] - 1].mean())
-    length_table = common.markdown_table(
+    return [(a, min(b, settings.eval_length)) for a, b in bands if a < settings.eval_length]
+
+
+def length_table(settings: Settings, measured: Measured) -> str:
+    T = settings.block_size
+    return common.markdown_table(
         ["positions", "in training?", "rope", "sinusoidal", "learned", "none"],
         [
-            [f"{a}-{b - 1}", "yes" if b <= T else "no", *(band_loss(kind, (a, b)) for kind in POSITION_TYPES)]
-            for a, b in bands
+            [f"{a}-{b - 1}", "yes" if b <= T else "no", *(measured.band_loss(kind, (a, b)) for kind in POSITION_TYPES)]
+            for a, b in bands(settings)
         ]
-        + [["rise: beyond minus inside", "", *(common.mean_pm(seed_rise[kind]) for kind in POSITION_TYPES)]],
+        + [["rise: beyond minus inside", "", *(common.mean_pm(measured.seed_rise[kind]) for kind in POSITION_TYPES)]],
     )  # fmt: skip
-    structure_table = common.markdown_table(
+
+
+def structure_table(settings: Settings, runs: dict, measured: Measured) -> str:
+    spreads = measured.spreads
+    return common.markdown_table(
         ["positions", "diagonal spread (fixed content)", f"score change when shifted by {settings.shift}",
-         f"validation loss at {T}", "train time (s)"],
+         f"validation loss at {settings.block_size}", "train time (s)"],
         [
-            [kind, "n/a (all scores equal)" if np.isnan(spreads[kind]) else spreads[kind], shift_change[kind],
+            [kind, "n/a (all scores equal)" if np.isnan(spreads[kind]) else spreads[kind], measured.shift_change[kind],
              str(runs[kind]), round(runs[kind].seconds)]
             for kind in POSITION_TYPES
         ],
     )  # fmt: skip
+
+
+def discussion(session: common.Session, settings: Settings, runs: dict, measured: Measured) -> str:
+    T, rise = settings.block_size, measured.rise
     best_beyond = min(POSITION_TYPES, key=lambda kind: rise[kind])
-    near, far = next(band for band in bands if band[0] >= T), bands[-1]
-    at = lambda band: ", ".join(f"{kind} {band_loss(kind, band):.3f}" for kind in POSITION_TYPES)
+    near, far = next(band for band in bands(settings) if band[0] >= T), bands(settings)[-1]
+    at = lambda band: ", ".join(f"{kind} {measured.band_loss(kind, band):.3f}" for kind in POSITION_TYPES)
     if best_beyond == "rope":
         extrapolation = "Here RoPE degraded least beyond the training length."
     else:
@@ -256,7 +348,7 @@ def run(session: common.Session, settings: Settings) -> None:
             "models rescale RoPE (`rope_parameters` with `linear`, `dynamic`, `yarn`, ...)."
         )
     weakest = max(POSITION_TYPES, key=lambda kind: runs[kind].mean)
-    discussion = f"""**Why the maps look as they do.** With RoPE, layer 0 sees the same content vector at every position and
+    return f"""**Why the maps look as they do.** With RoPE, layer 0 sees the same content vector at every position and
 rotates its query by the angle of position m and its key by that of n, so q·k depends on n - m alone: every
 diagonal of the map is one value (the spread left is float32 rounding). Learned and sinusoidal positions add a
 different vector to each position *before* the projections, so a score mixes content-position and
@@ -280,54 +372,28 @@ absolute encodings' token embeddings start at unit scale (std 1/sqrt(d) times `e
 {SINUSOID_RMS:.2f} (the sinusoidal table, and the learned table as initialised here), so neither signal swamps the
 other at the start; RoPE and NoPE keep decoderlab's embeddings (std {runs["rope"].model.config.initializer_range}),
 which RoPE's rotation and the first norm do not mix with any position vector."""
-    common.write_report(
-        session,
-        title="RoPE encodes relative position",
-        claim=(
-            "Rotary position embeddings make the query-key score depend only on the offset between the two "
-            "positions (Su et al. 2021): for fixed content the score map over (query position, key position) is "
-            "constant along its diagonals, which is not so for absolute encodings. Compared with them, RoPE, "
-            "sinusoidal, learned and no positions are also evaluated beyond the training length."
-        ),
-        setup=f"""Four models, identical except `position_embedding_type` (rope, sinusoidal, learned, none):
+
+
+def setup_text(session, settings: Settings, training: dict, measured: Measured, sequences: int) -> str:
+    T = settings.block_size
+    return f"""Four models, identical except `position_embedding_type` (rope, sinusoidal, learned, none):
 {settings.num_hidden_layers} layers, hidden size {settings.hidden_size}, {settings.num_attention_heads} heads,
 pre-RMSNorm, SwiGLU, `max_position_embeddings={settings.eval_length}`; the sinusoidal and learned models multiply
 their token embeddings (std 1/sqrt(d)) by sqrt(d), as the original Transformer does, and the learned table starts at
 the sinusoidal table's root mean square {SINUSOID_RMS:.2f}. Every model is trained with {len(session.seeds)} seeds
 (weights and data order); (a) and (b) read the first seed's model, (c) every seed's. Each is trained on character-level Tiny
 Shakespeare in blocks of {T} characters (the training length) for {settings.steps} steps of batch
-{settings.batch_size}, AdamW at peak learning rate {settings.learning_rate}, {recipe.warmup_steps} warm-up steps,
+{settings.batch_size}, AdamW at peak learning rate {settings.learning_rate}, {training["num_warmup_steps"]} warm-up steps,
 cosine decay, clipping at 1.0.
 
-(a) *Score maps*: layer 0, head 0 scores q·k·scale of the character {char!r} repeated {settings.map_length} times,
+(a) *Score maps*: layer 0, head 0 scores q·k·scale of the character {measured.char!r} repeated {settings.map_length} times,
 read from the model's own attention call (an attention function registered with transformers that records the
 scores and then runs decoderlab's eager kernel). The *diagonal spread* is the mean standard deviation along the
 diagonals divided by the standard deviation of the whole causal map: 0 when the score depends on the offset alone.
 (b) *Shift*: the first {settings.map_length} validation characters scored at positions 0.. and at {settings.shift}..
 (`position_ids`); the change is the largest score difference relative to the largest score, over all heads of
-layer 0. (c) *Length*: the next-character loss at each position of {len(long_blocks)} validation sequences of
-{settings.eval_length} characters; *inside* is positions {T // 2}-{T - 1}, *beyond* is {T}-{settings.eval_length - 1}.""",
-        results=f"""{maps_png}
-
-{structure_table}
-
-{length_png}
-
-Mean loss (nats/char) by position band:
-
-{length_table}""",
-        checks=checks,
-        discussion=discussion,
-        revision=REVISION,
-        numbers={
-            "char": char, "diagonal_spread": spreads, "shift_change": shift_change, "rise_beyond": rise,
-            "position_loss": {kind: loss.round(4).tolist() for kind, loss in position_loss.items()},
-            "rise_beyond_per_seed": {kind: values.tolist() for kind, values in seed_rise.items()},
-            "runs": {kind: {"final_eval_losses": t.losses.tolist(), "eval_curves": [r.eval_curve for r in t.runs],
-                     "seconds": t.seconds} for kind, t in runs.items()},
-        },
-    )  # fmt: skip
-    session.log(f"wrote {session.output_dir / 'report.md'}")
+layer 0. (c) *Length*: the next-character loss at each position of {sequences} validation sequences of
+{settings.eval_length} characters; *inside* is positions {T // 2}-{T - 1}, *beyond* is {T}-{settings.eval_length - 1}."""
 
 
 if __name__ == "__main__":

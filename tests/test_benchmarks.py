@@ -8,6 +8,7 @@ with the same weights, the Llama and GPT-2 pairs hold the same weights, and nano
 character split) is nanoGPT's.
 """
 
+import dataclasses
 import datetime
 import json
 import math
@@ -18,7 +19,6 @@ import pytest
 import torch
 import transformers
 
-import decoderlab
 from benchmarks import gpu_mfu, reference_nanogpt, sample_efficiency, shakespeare_char
 from benchmarks.common import (
     Size,
@@ -469,40 +469,71 @@ def test_sampler_curves_runs_each_sampling_beside_the_reference_and_plots_them(t
     assert "window_sampling=shifted" in table and "nanoGPT's recipe" in table
 
 
-def test_sample_efficiency_before_flags_give_back_the_recipe_before():
-    """benchmarks.sample_efficiency times make demo's recipe before issue 46 as the recipe file plus flags: those flags
-    must turn the file into exactly the experiment's BEFORE_MODEL and BEFORE_TRAINING (AdamW, 1250 steps, ...), and
-    put every other field the file sets back to its default, whatever the file now holds."""
-    from experiments.sample_efficiency import BEFORE_MODEL, BEFORE_TRAINING
+@pytest.mark.parametrize(
+    "before, now",
+    [("shakespeare_char_adamw.yaml", "shakespeare_char.yaml"),
+     ("shakespeare_char_gpu_adamw.yaml", "shakespeare_char_gpu.yaml")],
+)  # fmt: skip
+def test_each_adamw_recipe_is_its_muon_recipe_before_muon(before, now):
+    """The AdamW recipes are the baselines the Muon recipes are measured against (benchmarks.sample_efficiency times
+    shakespeare_char_adamw.yaml against shakespeare_char.yaml; experiments.sample_efficiency trains both pairs): each
+    must differ from its Muon recipe only in how the model trains (the optimizer and its schedule, the model's
+    fields) and where it writes, so that a comparison measures the optimisation on the same data, evaluation and
+    checkpoints. The demo baseline is the 1250-step recipe the committed timings measured."""
+    from experiments.common import TRAINING_FIELDS
     from training.args import TrainConfig, parse_config
 
-    recipe = REPO_ROOT / "training" / "configs" / "shakespeare_char.yaml"
-    before = parse_config(TrainConfig, ["--config", str(recipe), *sample_efficiency.before_flags(recipe)])
-    now = parse_config(TrainConfig, ["--config", str(recipe)])
-    assert {name: getattr(before, name) for name in BEFORE_TRAINING} == BEFORE_TRAINING
-    assert before.optimizer == "adamw" and before.muon_learning_rate == TrainConfig().muon_learning_rate
-    assert {name: before.model[name] for name in BEFORE_MODEL} == BEFORE_MODEL
-    assert set(before.model) == set(BEFORE_MODEL) | set(now.model)
-    for name in set(now.model) - set(BEFORE_MODEL):  # fields the recipe sets since, back at their defaults
-        assert before.model[name] == getattr(decoderlab.DecoderLabConfig(), name), name
-    assert (before.dataset_name, before.eval_steps, before.seed) == (now.dataset_name, now.eval_steps, now.seed)
+    configs = REPO_ROOT / "training" / "configs"
+    was = parse_config(TrainConfig, ["--config", str(configs / before)])
+    is_now = parse_config(TrainConfig, ["--config", str(configs / now)])
+    differ = {f.name for f in dataclasses.fields(TrainConfig) if getattr(was, f.name) != getattr(is_now, f.name)}
+    assert "optimizer" in differ and differ <= {*TRAINING_FIELDS, "model", "output_dir"}, differ
+    assert (was.optimizer, is_now.optimizer) == ("adamw", "muon")
+    assert was.output_dir != is_now.output_dir  # a run of one does not refuse to start over the other's folder
+    if before == "shakespeare_char_adamw.yaml":
+        assert (was.max_train_steps, was.per_device_train_batch_size) == (1250, 16)
+
+
+def test_sample_efficiency_reads_the_grid_from_the_experiments_results(tmp_path):
+    """The benchmark does not re-run the experiment: its grid is the experiment's results.json summarised (tokens per
+    seed, their mean, how many times fewer than the recipe before), and a folder without that experiment's results
+    is refused with the command that writes them."""
+    folder = REPO_ROOT / "experiments" / "results" / "sample_efficiency"
+    committed = json.loads((folder / "results.json").read_text())
+    grid = sample_efficiency.read_grid(folder)
+    assert grid["experiment"] == "experiments/results/sample_efficiency"
+    assert (grid["wall_time_s"], grid["seeds"]) == (committed["wall_time_s"], committed["seeds"])
+    before, recipe = committed["numbers"]["demo"]["before"]["tokens"], committed["numbers"]["demo"]["recipe"]["tokens"]
+    assert grid["demo"]["recipe"]["tokens"] == recipe
+    assert grid["demo"]["recipe"]["tokens_mean"] == pytest.approx(sum(recipe) / len(recipe))
+    assert grid["demo"]["recipe"]["fewer_tokens_x"] == pytest.approx(sum(before) / sum(recipe))
+    assert grid["demo"]["before"]["fewer_tokens_x"] == 1.0
+    with pytest.raises(ValueError, match="run `python -m experiments.sample_efficiency`"):
+        sample_efficiency.read_grid(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"experiment": "heads"}))
+    with pytest.raises(ValueError, match="holds the results of 'heads', not of sample_efficiency"):
+        sample_efficiency.read_grid(tmp_path)
 
 
 @pytest.mark.slow
-def test_sample_efficiency_quick_run_writes_the_grid_and_both_recipes(tmp_path):
-    """A --quick run: the experiment's grid (each setting's tokens per seed, the target, the checks) and make demo's
-    command before and now, alternating, with their ratios; the plot beside the JSON."""
+def test_sample_efficiency_quick_run_times_both_recipe_files(tmp_path):
+    """A --quick run: make demo's command with the AdamW recipe file and with the recipe now, alternating, with their
+    ratios (the two train differently: their losses differ), and the grid read from the experiment's committed
+    results; nothing else is written beside the JSON (the figure is the experiment's)."""
     out = tmp_path / "sample_efficiency.json"
-    sample_efficiency.main(["--quick", "--repeats", "1", "--jobs", "1", "--num_threads", "1", "--json_out", str(out),
-                            "--experiment_dir", str(tmp_path / "experiment")])  # fmt: skip
+    sample_efficiency.main(["--quick", "--repeats", "1", "--num_threads", "1", "--json_out", str(out)])
     result = json.loads(out.read_text())
     grid, recipes = result["grid"], result["recipes"]
     assert grid["target_loss"] == 1.70 and {"before", "muon", "recipe"} <= set(grid["demo"])
-    assert all(len(setting["tokens"]) == len(grid["seeds"]) for setting in grid["demo"].values())
-    assert grid["checks"] and (tmp_path / "sample_efficiency.png").read_bytes().startswith(b"\x89PNG")
+    assert recipes["recipe_files"] == {
+        "before": "training/configs/shakespeare_char_adamw.yaml",
+        "now": "training/configs/shakespeare_char.yaml",
+    }
     assert recipes["before"]["steps"] == recipes["now"]["steps"] == 10
+    assert recipes["before"]["val_loss_every_window"] != recipes["now"]["val_loss_every_window"]
     assert recipes["ratio_loop"] == pytest.approx(recipes["now"]["loop_s"] / recipes["before"]["loop_s"], rel=1e-2)
     assert recipes["meets_goal"] is False  # 10 steps reach nowhere near 1.60
+    assert [path.name for path in tmp_path.iterdir()] == ["sample_efficiency.json"]
 
 
 @pytest.mark.slow

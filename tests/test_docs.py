@@ -262,14 +262,17 @@ def test_links_resolve(page):
 
 
 def test_links_to_the_repository_are_rewritten_for_the_site():
-    """The site carries the results files and notes at their repository paths: a docs page's link to one, and a
-    note's link into docs/, point at their place in the site; links inside docs/ and external ones stay."""
+    """The site carries the results files and notes at their repository paths, and each experiment's report and
+    plots at experiments/NAME/: a docs page's link to one, and a note's link into docs/, point at their place in the
+    site; links inside docs/ and external ones stay."""
     published = published_files()
     assert "benchmarks/results/rss.json" in published and "benchmarks/notes/data-pipeline.md" in published
     page = "[a](../../benchmarks/results/rss.json) [b](../performance.md#headline) [c](https://x.org/a.md)"
     assert site_links(page, "guides/data.md") == (
         "[a](../benchmarks/results/rss.json) [b](../performance.md#headline) [c](https://x.org/a.md)"
     )
+    plot = "![p](../experiments/results/heads/loss_and_cache.png)"
+    assert site_links(plot, "performance.md") == "![p](experiments/heads/loss_and_cache.png)"
     note = "[p](../../docs/performance.md#the-data-pipeline) [r](../results/archive/x.json)"
     assert site_links(note, "benchmarks/notes/data-pipeline.md") == (
         "[p](../../performance.md#the-data-pipeline) [r](../results/archive/x.json)"

@@ -67,6 +67,37 @@ def test_bad_settings_are_refused(tmp_path):
         norm_placement.main(["--quick", "--depths", "2,six", "--output_dir", str(tmp_path)])
 
 
+def test_a_run_trains_with_the_recipe_file_and_the_specs_fields(tmp_path):
+    """common.recipe reads a recipe file as `--config` does (its model, and its TRAINING_FIELDS with TrainConfig's
+    default where the file is silent; its evaluation and seed stay the experiment's), and a run's TrainConfig is the
+    corpus's data fields, then RUN_DEFAULTS, then the spec's fields, then what the harness fixes (the scratch
+    folder, no checkpoints, the run's seed), built anew so that TrainConfig checks it."""
+    from training.args import TrainConfig
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        "model: {hidden_size: 32, num_attention_heads: 4}\nmax_train_steps: 7\nlearning_rate: 3.0e-3\n"
+        "optimizer: muon\neval_steps: 5\nseed: 9\n"
+    )
+    model, training = common.recipe(path)
+    assert model == {"hidden_size": 32, "num_attention_heads": 4} and set(training) == set(common.TRAINING_FIELDS)
+    assert (training["max_train_steps"], training["learning_rate"], training["optimizer"]) == (7, 3e-3, "muon")
+    assert training["muon_momentum"] == TrainConfig().muon_momentum
+
+    corpus = common.Corpus(TrainConfig(dataset_name="x", block_size=16, per_device_train_batch_size=1), *[None] * 3)
+    spec = common.Spec("s", model, {**training, "per_device_train_batch_size": 4, "seed": 5, "logging_steps": 3})
+    cfg = common.run_config(corpus, spec, 2, tmp_path / "run")
+    assert (cfg.dataset_name, cfg.block_size) == ("x", 16)
+    assert (cfg.per_device_train_batch_size, cfg.logging_steps, cfg.optimizer) == (4, 3, "muon")
+    assert cfg.learning_rate == 3e-3
+    assert (cfg.eval_steps, cfg.max_eval_samples, cfg.per_device_eval_batch_size) == (None, 64, 64)
+    assert (cfg.seed, cfg.checkpointing_steps, cfg.output_dir) == (2, None, str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="learning_rate"):
+        common.run_config(corpus, common.Spec("bad", {}, {**spec.training, "learning_rate": -1.0}), 0, tmp_path)
+    with pytest.raises(ValueError, match="sets no max_train_steps"):
+        common.Spec("unsized", {}, {"per_device_train_batch_size": 4})
+
+
 def test_recorder_sees_what_eager_attention_computes(tiny_model):
     """The recorder changes nothing (same logits as eager), its weights are eager's output_attentions, and
     softmax(recorded scores + causal mask) gives those weights back, for grouped-query attention too."""
