@@ -295,7 +295,7 @@ def training_memory_rows(report: dict) -> list[Line]:
         check = checks.get((r["model"], r["mode"], r["route"])) if not r["variant"] else None
         verdict = "" if check is None else f"{'≤' if check['passed'] else '>'} {check['reference']}"
         route = "model alone" if r["route"] == "model" else "training loop's Accelerate set-up"
-        what = f"`{r['model']}`" + (f" ({r['variant']}, as before issue 40)" if r["variant"] else "")
+        what = f"`{r['model']}`" + (f" ({r['variant']}, as the code was before the GPU memory fixes)" if r["variant"] else "")
         largest = ", ".join(f"{mb:.0f}" for mb in r["largest_mb"])
         rows.append(([what, r["mode"], route, number(r["saved_mb"]), number(r["peak_mb"]), largest, verdict],
                      "training_memory.json"))  # fmt: skip
@@ -357,7 +357,7 @@ def gib(n_bytes: int) -> str:
 
 
 def data_pipeline_rows(prepare: dict, loader: dict, resume: dict, tiny: dict, rss: dict) -> list[Line]:
-    """Issue 32's four goals, each beside its reference and its goal, and make demo's two data paths."""
+    """The four speed and memory goals against nanoGPT and Llama, each beside its reference and its goal, and make demo's two data paths."""
     rate = prepare["median_tokens_per_s_per_core"]
     batches = loader["median_tokens_per_s"]
     first = resume["median_seconds_to_first_step"]
@@ -451,7 +451,7 @@ def explore_rows(report: dict) -> list[Line]:
 
 
 def sample_efficiency_rows(report: dict) -> list[Line]:
-    """Issue 46's grid: each setting's tokens to the target (mean ± standard deviation over the seeds), how many times
+    """The sample-efficiency grid: each setting's tokens to the target (mean ± standard deviation over the seeds), how many times
     fewer than the recipe before, its final validation loss; make demo's shape, then 6 x 384."""
     grid, rows = report["grid"], []
     for shape, label, target in (("demo", "4 x 128 (`make demo`)", grid["target_loss"]),
@@ -470,7 +470,7 @@ def sample_efficiency_rows(report: dict) -> list[Line]:
 
 
 def sample_efficiency_recipe_rows(report: dict) -> list[Line]:
-    """make demo's recipe before issue 46 and now, alternating: the loss over every validation window, the whole
+    """make demo's recipe before Muon (the AdamW recipe) and now, alternating: the loss over every validation window, the whole
     command's and the loop's median time, and now / before (the median of the pairs' ratios, then each pair's)."""
     recipes = report["recipes"]
     rows = []
@@ -678,8 +678,8 @@ PAGES = {
 GPU_CHECK = "gpu_check-*.json"
 # what a reader must know about a GPU check file that its rows do not say
 GPU_CHECK_NOTES = {
-    "gpu_check-h200-ba4ff63.json": "The first GPU run, at main ba4ff63, before issue 40's work: generation is eager "
-    "with a dynamic cache only, and the training rows are the code before issue 40's fixes. It was run from an "
+    "gpu_check-h200-ba4ff63.json": "The first GPU run, at main ba4ff63, before the GPU fixes that followed it: "
+    "generation is eager with a dynamic cache only, and the training rows are the code before those fixes. It was run from an "
     "archive of that commit's tree (no .git), so its commit was written into the file by hand.",
 }
 

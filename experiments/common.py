@@ -46,6 +46,7 @@ from training.data import (
 )
 from training.loop import NonFiniteLossError, make_accelerator, train
 from training.models import build_model
+from training.preflight import preflight
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "experiments" / "results"
@@ -311,6 +312,8 @@ def train_model(session: Session, corpus: Corpus, spec: Spec, seed: int) -> Run:
     runs that differ in a field with no parameters (``attention_scale``) start from identical weights."""
     name = f"{spec.name}, seed {seed}"
     cfg = run_config(corpus, spec, seed, session.work_dir / name)
+    # the training scripts' own check of settings that must fit each other (the model's among them)
+    preflight(dataclasses.replace(cfg, model=dict(spec.model_fields)), cpu=session.args.device == "cpu")
     model = fresh_model(corpus, spec.model_fields, seed, spec.prepare)
     accelerator = accelerator_for(session, cfg)
     batches = training_batches(cfg, corpus.train_blocks, dict(seed=seed, process_index=0, num_processes=1))

@@ -431,7 +431,7 @@ def test_nanogpt_data_is_the_character_split():
 def test_every_results_file_starts_with_what_reproduces_it(tmp_path):
     """``write_timing`` (every benchmark's JSON writer goes through ``write_results``) records the checkout's commit
     and whether it had uncommitted changes, the date, the CPU, the threads and the library versions, before the
-    figures; issue 33: no results file may lack them."""
+    figures: no results file may lack them (a figure without its machine and commit cannot be compared)."""
     out = tmp_path / "timing.json"
     write_timing(str(out), 3, 0.5, rows=[{"ratio": 1.0}])
     result = json.loads(out.read_text())

@@ -324,7 +324,7 @@ def test_whole_numbers_for_float_fields_are_floats():
 
 
 # ----------------------------------------------------------------------------------------------
-# Keywords that are not fields (issue 42)
+# Keywords that are not fields
 
 
 @pytest.mark.parametrize(

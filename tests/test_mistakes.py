@@ -1,4 +1,4 @@
-"""A user's mistakes with the training scripts (issue 42): each ends in one clear error, before anything is written,
+"""A user's mistakes with the training scripts: each ends in one clear error, before anything is written,
 and no run mixes into another.
 
 Most mistakes are shown in-process, through the scripts' own ``main`` (the exception it raises is what
@@ -135,7 +135,7 @@ def test_generate_flag_mistakes_exit_with_status_2(capsys):
 
 
 def test_a_new_run_into_a_folder_holding_a_run_is_refused_and_changes_nothing(run_copy, text_file):
-    """Issue 42 item 1: a second run into a finished run's folder stopped mixing with it (the 20-step model beside
+    """A second run into a finished run's folder stopped mixing with it (the 20-step model beside
     the 60-step checkpoint). It is refused before any step, naming how to continue or replace it; not a file of the
     folder changes. `--resume_from_checkpoint latest` on a folder holding only a final model is refused too."""
     before = folder_snapshot(run_copy)
@@ -177,7 +177,7 @@ def test_the_base_checkpoint_cannot_be_the_output_dir(run_copy, text_file):
 
 
 def test_a_resume_with_another_architecture_names_each_setting(run_copy, text_file):
-    """Issue 42 item 4: resuming with another model printed torch's size-mismatch lines. Now one line names each
+    """Resuming with another model printed torch's size-mismatch lines. Now one line names each
     setting that differs (checkpoint's value -> given), from the run's training_config.yaml; a folder without that
     record names the weights that differ. Nothing is written."""
     before = folder_snapshot(run_copy)
@@ -211,7 +211,7 @@ def test_fine_tuning_into_a_pretraining_folder_names_what_differs(run_copy, fini
 def test_an_empty_or_blank_data_file_stops_every_script_before_anything_is_written(
     tmp_path, content, what, learned_checkpoint
 ):
-    """Issue 42 item 6: an empty text file ended in a 43-line `datasets` traceback; a blank one left an output folder
+    """An empty text file ended in a 43-line `datasets` traceback; a blank one left an output folder
     holding only a tokenizer. pretrain.py, finetune.py and evaluate.py now stop naming the file, writing nothing."""
     data = tmp_path / "data.txt"
     data.write_text(content)
@@ -239,7 +239,7 @@ def test_text_too_short_for_a_block_leaves_no_folder_behind(tmp_path):
 
 
 def test_unknown_characters_are_counted_named_and_stop_training_above_one_percent(learned_checkpoint, caplog):
-    """Issue 42 item 5: characters outside a character vocabulary became <|unk|> without a word. The check counts
+    """Characters outside a character vocabulary became <|unk|> without a word. The check counts
     and names them once; above 1% of the characters it stops unless allowed; below it (or allowed) it warns."""
     from transformers import AutoTokenizer
 
@@ -274,7 +274,7 @@ def test_chat_data_with_unknown_characters_is_refused_by_finetune(tmp_path, lear
 
 
 def test_evaluate_block_size_and_generate_window_past_a_position_table_name_the_flag(learned_checkpoint):
-    """Issue 42 item 7: evaluate.py --block_size 128 and generate.py --window 128 on a model of 64 learned positions
+    """evaluate.py --block_size 128 and generate.py --window 128 on a model of 64 learned positions
     raised a model-level traceback naming neither flag."""
     with pytest.raises(ValueError, match=r"--block_size 128 is longer than the 64 positions"):
         evaluate.main([str(learned_checkpoint), "--data_file", str(INPUT_TXT), "--block_size", "128"])
@@ -308,14 +308,14 @@ def test_generate_temperature_0_is_greedy_and_each_run_prints_its_seed(learned_c
 
 
 def test_generate_names_the_prompt_characters_the_tokenizer_does_not_know(learned_checkpoint, caplog):
-    """Issue 42 item 5: `ROMEO 😀 said 42 times:` came back as `ROMEO  said  times:` without a word."""
+    """`ROMEO 😀 said 42 times:` came back as `ROMEO  said  times:` without a word."""
     with caplog.at_level(logging.WARNING, logger="training.data"):
         generate.main([str(learned_checkpoint), "--prompt", "ROMEO 😀 said 42 times:", "--max_new_tokens", "2"])
     assert "3 of the 22 characters of the prompt" in caplog.text and "'😀', '4', '2'" in caplog.text
 
 
 def test_a_nan_stop_without_a_checkpoint_does_not_advise_resuming_from_one(tmp_path):
-    """Issue 42 item 13: the NaN message said no checkpoint was saved, then advised resuming from it."""
+    """The NaN message said no checkpoint was saved, then advised resuming from it."""
     cfg = TrainConfig(output_dir=str(tmp_path / "empty"))
     message = str(non_finite_error(math.nan, 3, cfg, []))
     assert "No checkpoint had been saved yet" in message and "--resume_from_checkpoint" not in message
@@ -347,7 +347,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess, status: int, *wor
 
 @pytest.mark.slow
 def test_commands_end_a_mistake_with_one_line_and_its_status(run_copy, text_file, learned_checkpoint, tmp_path):
-    """Issue 42 item 8: training/*.py printed 10 to 40 lines of traceback above even good messages. Through the real
+    """training/*.py printed 10 to 40 lines of traceback above even good messages. Through the real
     commands: a misspelt flag (status 2, argparse's own parser errors too), a folder holding another run and an empty
     data file or a Latin-1 one (status 1), a window past the positions: one `error:` line each, no traceback, nothing changed or left
     behind; ``--debug`` shows the traceback."""
@@ -400,7 +400,7 @@ def test_a_large_blank_file_is_refused_and_text_after_blanks_is_not(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Text files that are not UTF-8 (issue 45 item 4)
+# Text files that are not UTF-8
 
 LATIN_1_BOOK = "Le café du Dauphiné, où l'on sert des crêpes.\n" * 400  # 18 KB, "é" at byte 6 of each line
 

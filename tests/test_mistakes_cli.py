@@ -1,4 +1,4 @@
-"""A new user's mistakes with the ``python -m decoderlab.*`` commands (issue 42): each runs the real command in a
+"""A new user's mistakes with the ``python -m decoderlab.*`` commands : each runs the real command in a
 fresh process and checks the exit status (2: a flag's value, 1: anything else expected), that no traceback is
 printed, the words of the one ``error:`` line, and that nothing was written or changed.
 

@@ -259,7 +259,7 @@ def test_mup_tune_writes_the_wide_recipe_with_the_best_rate(text_files, tmp_path
     assert "UNMEASURED" in text and "mup_tune.py" in text
     # the header's groups are the ones the wide recipe trains with, from training/optim.py's record
     assert "# Optimizer groups at the 128 width (training/optim.py's rules; a record, not a setting):" in text
-    assert f"#   matrices: AdamW, lr {wide_rate(best):g} (x 0.25, muP), wd 0.1, " in text
+    assert f"#   matrices: AdamW, lr {wide_rate(best):g} (x 0.25, muP), wd 0.1 in 28 tensors" in text
     wide = parse_config(TrainConfig, ["--config", str(out)])
     assert wide.learning_rate == pytest.approx(best, rel=1e-2)
     assert wide.embedding_learning_rate == pytest.approx(2 * best, rel=1e-2)
@@ -293,8 +293,8 @@ def test_mup_tune_sweeps_the_rate_the_blocks_matrices_train_at(tmp_path):
     wide = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "parametrization": "mup",
             "mup_base_width": 32}  # fmt: skip
     header = mup_tune.wide_groups(wide, {"optimizer": "muon", "muon_learning_rate": 0.03, "learning_rate": 1e-3})
-    assert "#   muon_matrices: Muon, lr 0.03 (x 1, muP), wd 0, " in header
-    assert "#   output: AdamW, lr 0.001, wd 0.1, " in header and "matrices: AdamW" not in header
+    assert "#   muon_matrices: Muon, lr 0.03 (x 1, muP), wd 0 in 14 tensors" in header
+    assert "#   output: AdamW, lr 0.001, wd 0.1 in 1 tensor\n" in header and "matrices: AdamW" not in header
     with pytest.raises(UsageError, match="rate='momentum' is not a rate of the recipe"):
         parse_config(mup_tune.TuneConfig, ["x.yaml", "--rate", "momentum"])
 

@@ -31,7 +31,7 @@ def test_every_recipe_parses_into_the_dataclass(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_recipe_that_evaluates_keeps_its_best_model(path):
-    """Issue 45: a recipe that evaluates during training saves the weights of its best evaluation
+    """A recipe that evaluates during training saves the weights of its best evaluation
     (load_best_model_at_end), so a run longer than the data bears, on a small text of one's own, saves its best
     instead of an overfit last step (tests/test_best_model.py runs the default recipe past its best)."""
     cfg = parse_config(FinetuneConfig if path.name.startswith("finetune_") else TrainConfig, ["--config", str(path)])
@@ -45,7 +45,7 @@ def test_default_recipe_is_nano_size():
     cfg = parse_config(TrainConfig, ["--config", str(CONFIGS[0].parent / "shakespeare_char.yaml")])
     assert (cfg.model["num_hidden_layers"], cfg.model["hidden_size"], cfg.model["num_attention_heads"]) == (4, 128, 4)
     assert (cfg.block_size, cfg.per_device_train_batch_size, cfg.max_train_steps) == (64, 16, 1000)
-    # issue 46: fewer tokens to the same loss; 1000 steps take less time than 1250 AdamW steps on 2 threads
+    # Muon: fewer tokens to the same loss, so 1000 steps take less time than the AdamW recipe's 1250
     assert (cfg.optimizer, cfg.muon_momentum) == ("muon", 0.9)
     assert cfg.per_device_train_batch_size * cfg.max_train_steps <= 12 * 2000
     assert cfg.tokenizer_type == "char"

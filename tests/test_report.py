@@ -1,5 +1,5 @@
 """benchmarks.report: the README's headline table and docs/performance.md say what benchmarks/results/*.json says,
-and ``--check`` names the page, the table and the results file when they do not (issue 33: figures are data).
+and ``--check`` names the page, the table and the results file when they do not (figures are data, never typed by hand).
 
 The real pages are checked against the real results; the failures are shown on a copy of them in a temporary
 folder, one thing changed at a time."""

@@ -124,7 +124,7 @@ def set_sampling_defaults(model: PreTrainedModel, tokenizer: PreTrainedTokenizer
     generation.pad_token_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     # No cache_implementation: transformers' dynamic cache, the plain default. A saved static cache would make
     # generate() and pipeline() compile the decoding step on a GPU by themselves, but has not been measured there yet,
-    # and on a CPU it decoded slower uncompiled (an informal timing); generate.py and the explorer turn compiled decoding on for
+    # nor shown faster on a CPU uncompiled; generate.py and the explorer turn compiled decoding on for
     # CUDA themselves (decoderlab.generation.set_compiled_decoding), and pipeline users pass
     # cache_implementation="static".
 

@@ -150,11 +150,15 @@ def base_shapes(model: dict) -> dict:
 
 def wide_groups(wide: dict, recipe_values: dict) -> str:
     """The optimizer groups the written recipe trains with (its model built on the meta device, its groups as
-    ``training/optim.py`` makes and records them), as comment lines."""
+    ``training/optim.py`` makes and records them), as comment lines; without parameter counts, which the vocabulary
+    (the data's) sets."""
     cfg = TrainConfig(**{**recipe_values, "model": wide})
     with torch.device("meta"):
         model = DecoderLabForCausalLM(DecoderLabConfig(**wide))
-    recorded = recorded_groups(model, param_groups(model, cfg))
+    recorded = [
+        {key: value for key, value in group.items() if key != "parameters"}
+        for group in recorded_groups(model, param_groups(model, cfg))
+    ]
     return groups_comment(recorded, title=f"Optimizer groups at the {wide['hidden_size']} width")
 
 

@@ -142,10 +142,8 @@ def group_text(group: dict, optimizer: bool = False) -> str:
     (``matrices: lr 0.0005 (x 0.1667, muP), ...``)."""
     label = f" ({OPTIMIZER_NAMES[group.get('optimizer', 'adamw')]})" if optimizer else ""
     factor = f" (x {group['lr_multiplier']:.4g}, muP)" if "lr_multiplier" in group else ""
-    return (
-        f"{group['name']}{label}: lr {group['lr']:g}{factor}, wd {group['weight_decay']:g}, "
-        f"{group['parameters']:,} parameters"
-    )
+    size = f", {group['parameters']:,} parameters" if "parameters" in group else ""
+    return f"{group['name']}{label}: lr {group['lr']:g}{factor}, wd {group['weight_decay']:g}{size}"
 
 
 def groups_text(recorded: list[dict]) -> str:
@@ -211,12 +209,11 @@ class BatchedMuon(torch.optim.Muon):
     """``torch.optim.Muon``, its arithmetic and its state (``momentum_buffer``), with the Newton-Schulz products of all
     the matrices of one shape done as one batched product (``newton_schulz``), in ``ns_dtype``.
 
-    Why: torch's Muon orthogonalises one matrix at a time in bfloat16. For make demo's model (28 matrices of 128 x 128
-    to 256) that is 20 ms a step on 2 cores of an AMD EPYC with bfloat16 instructions, 40% of the model's forward and
-    backward; batched, 10 ms in bfloat16 and 15 ms in float32. On a CPU without bfloat16 instructions bfloat16 runs in
-    software: 750 ms a step, ten times the model's own, where batched float32 takes 23 ms (``python -m
-    benchmarks.investigations.muon_step`` times each way on the machine it runs on). Sharded (DTensor) parameters take
-    torch's own step, which DTensor runs on the whole matrices."""
+    Why: torch's Muon orthogonalises one matrix at a time in bfloat16; batched, a step of make demo's model costs about
+    half as much on two CPU cores, and on a CPU without bfloat16 instructions (bfloat16 then runs in software) float32
+    products cost a small fraction of bfloat16's (the figures and how they were measured: benchmarks/notes/muon-step.md;
+    ``python -m benchmarks.investigations.muon_step`` times each way on the machine it runs on). Sharded (DTensor)
+    parameters take torch's own step, which DTensor runs on the whole matrices."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
         super().__init__(params, **kwargs)
@@ -312,7 +309,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def make_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """AdamW over ``param_groups`` (``cfg.optimizer == "adamw"``), or ``MuonWithAdamW`` (``"muon"``); AdamW takes the
     fused kernel where torch has one (CPU and CUDA): one call updates every tensor, instead of a Python loop over
-    them (about 4x faster for the nano model on CPU)."""
+    them (the nanoGPT reference in benchmarks/common.py uses the same kernel; its docstring has the timing)."""
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in model.parameters())
     adamw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=fused or None)
     groups = param_groups(model, cfg)
