@@ -31,7 +31,12 @@ from transformers import (
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.cli import run_command
 from decoderlab.convert import convert_from, convert_to_llama, convert_to_qwen3, main
-from decoderlab.export.families import llama_config_from_decoderlab, qwen3_config_from_decoderlab
+from decoderlab.export.families import (
+    CARRIED_FIELDS,
+    SWITCHES,
+    llama_config_from_decoderlab,
+    qwen3_config_from_decoderlab,
+)
 
 VOCAB = 99
 SIZES = dict(vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=None, eos_token_id=None)
@@ -257,6 +262,31 @@ def test_decoderlab_llama_decoderlab_round_trip(tied, tmp_path, randomize, ids):
     assert {k: v for k, v in back.config.to_dict().items() if k not in volatile} == {
         k: v for k, v in original.config.to_dict().items() if k not in volatile
     }
+
+
+def test_every_config_field_is_a_switch_or_carried():
+    """The switch table is complete: every field of DecoderLabConfig is a switch the exports refuse when it is on
+    (SWITCHES) or one they take as it is (CARRIED_FIELDS), never both; a new field fails here until it is classified,
+    so it cannot reach an export unexamined."""
+    fields = {f for f in DecoderLabConfig.__annotations__ if not f.startswith(("model_type", "keys_to", "base_model_"))}
+    switch_fields = {name.split("[")[0] for name in SWITCHES}
+    assert not (switch_fields & CARRIED_FIELDS) - {"rope_parameters"}  # a RoPE sub-key is a switch, RoPE is carried
+    assert fields == switch_fields | CARRIED_FIELDS, fields ^ (switch_fields | CARRIED_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(SWITCHES))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_every_switch_is_refused_by_name_by_llama_and_qwen3(name, family):
+    """Each switch of the table, on (its example) on a model both families otherwise express, is refused by --to
+    llama and --to qwen3 in a line naming it and what the family does instead; off, the same model exports."""
+    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, qk_norm=family == "qwen3")
+    export = qwen3_config_from_decoderlab if family == "qwen3" else llama_config_from_decoderlab
+    export(DecoderLabConfig.from_preset("llama", **base))
+    config = DecoderLabConfig.from_preset("llama", **{**base, **SWITCHES[name].example})
+    with pytest.raises(ValueError, match="stand in the way") as refused:
+        export(config)
+    reason = SWITCHES[name].reason(config, family.capitalize())
+    assert any(line.startswith(f"  {name}=") and line.endswith(reason) for line in str(refused.value).splitlines())
 
 
 def test_llama_export_refusal_lists_every_field_in_the_way():

@@ -161,36 +161,67 @@ def _rotary_fraction(config: DecoderLabConfig) -> float:
     return (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
 
 
+@dataclass(frozen=True)
+class Switch:
+    """A DecoderLabConfig field that, switched on, makes the model compute what no Llama-shaped family can (Llama,
+    Qwen3, and GGUF through them): ``on(config)`` says whether a config uses it, ``why`` (with ``{family}``) what
+    the family does instead, ``example`` the fields that switch it on (what the tests export, to see it refused)."""
+
+    on: Callable[[DecoderLabConfig], bool]
+    why: str | Callable[[DecoderLabConfig, str], str]
+    example: dict
+
+    def reason(self, config: DecoderLabConfig, family: str) -> str:
+        return self.why(config, family) if callable(self.why) else self.why.format(family=family)
+
+
+# The switch table: every model switch, as the exports see it. A field of DecoderLabConfig is either a switch here or
+# one of CARRIED_FIELDS (what a Llama-shaped family takes as it is, or what does not change the function), so a new
+# field cannot reach an export unclassified (tests/test_convert.py checks both, and exports every switch's example)
+SWITCHES: dict[str, Switch] = {
+    "norm_placement": Switch(lambda c: c.norm_placement != "pre", "{family} normalises before each sublayer ('pre')",
+                             {"norm_placement": "post"}),
+    "use_parallel_residual": Switch(lambda c: c.use_parallel_residual, "{family}'s sublayers run one after the other",
+                                    {"use_parallel_residual": True}),
+    "norm_type": Switch(lambda c: c.norm_type != "rmsnorm", "{family} uses RMSNorm ('rmsnorm')",
+                        {"norm_type": "layernorm", "norm_bias": False}),
+    "norm_bias": Switch(lambda c: c.norm_type == "layernorm" and c.norm_bias, "RMSNorm has no bias",
+                        {"norm_type": "layernorm", "norm_bias": True}),
+    "position_embedding_type": Switch(lambda c: c.position_embedding_type != "rope", "{family} uses RoPE ('rope')",
+                                      {"position_embedding_type": "learned"}),
+    "rope_parameters['partial_rotary_factor']": Switch(
+        lambda c: c.position_embedding_type == "rope" and _rotary_fraction(c) != 1.0,
+        "{family} rotates every dimension of each head (1.0)",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    ),
+    "mlp_type": Switch(lambda c: c.mlp_type != "gated", "{family}'s MLP is gated ('gated')", {"mlp_type": "plain"}),
+    "embedding_multiplier": Switch(lambda c: c.embedding_multiplier != 1.0,
+                                   "{family} uses its token embeddings unscaled (1.0)", {"embedding_multiplier": 2.0}),
+    "attention_scale": Switch(
+        lambda c: c.attention_scale is not None and not math.isclose(c.attention_scale, c.head_dim**-0.5),
+        lambda c, family: f"{family} scales attention by 1/sqrt(head_dim) = {c.head_dim**-0.5:.6g} (None)",
+        {"attention_scale": 1.0},
+    ),
+    "final_logit_softcapping": Switch(lambda c: c.final_logit_softcapping is not None,
+                                      "{family} returns its logits uncapped (None); Gemma 2 caps them, with another "
+                                      "block", {"final_logit_softcapping": 30.0}),
+    "value_residual": Switch(lambda c: c.value_residual, "{family}'s layers use their own values only (False)",
+                             {"value_residual": True}),
+}  # fmt: skip
+# The other fields, and why a Llama-shaped export can take them: a size, a token id, a setting Llama has under its
+# own name (LLAMA_FIELDS); what only training or the first step sees (dropout, initialisation); QK-norm and MLP
+# biases, which each family decides (Llama and Qwen3 differ); muP's fields, folded into the weights or refused
+# (mup_in_the_way, mup_folds)
+CARRIED_FIELDS = frozenset(LLAMA_FIELDS) | {
+    "hidden_dropout", "scale_residual_init", "zero_residual_init", "embedding_initializer_range", "qk_norm",
+    "parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier",
+}  # fmt: skip
+
+
 def llama_shaped_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[bool, str]]:
-    """For ``refuse_fields``: what makes ``config`` other than a Llama-shaped model (pre-norm RMSNorm blocks,
-    full RoPE, gated MLP, unscaled embeddings, 1/sqrt(head_dim) attention), which neither Llama nor Qwen3
-    (``family``, named in each reason) can express. QK-norm is left to each family."""
-    rotary_fraction = _rotary_fraction(config)
-    return {
-        "norm_placement": (config.norm_placement != "pre", f"{family} normalises before each sublayer ('pre')"),
-        "use_parallel_residual": (config.use_parallel_residual, f"{family}'s sublayers run one after the other"),
-        "norm_type": (config.norm_type != "rmsnorm", f"{family} uses RMSNorm ('rmsnorm')"),
-        "norm_bias": (config.norm_type == "layernorm" and config.norm_bias, "RMSNorm has no bias"),
-        "position_embedding_type": (config.position_embedding_type != "rope", f"{family} uses RoPE ('rope')"),
-        "rope_parameters['partial_rotary_factor']": (
-            config.position_embedding_type == "rope" and rotary_fraction != 1.0,
-            f"{family} rotates every dimension of each head (1.0)",
-        ),
-        "mlp_type": (config.mlp_type != "gated", f"{family}'s MLP is gated ('gated')"),
-        "embedding_multiplier": (
-            config.embedding_multiplier != 1.0,
-            f"{family} uses its token embeddings unscaled (1.0)",
-        ),
-        "attention_scale": (
-            config.attention_scale is not None and not math.isclose(config.attention_scale, config.head_dim**-0.5),
-            f"{family} scales attention by 1/sqrt(head_dim) = {config.head_dim**-0.5:.6g} (None)",
-        ),
-        "final_logit_softcapping": (
-            config.final_logit_softcapping is not None,
-            f"{family} returns its logits uncapped (None); Gemma 2 caps them, with another block",
-        ),
-        "value_residual": (config.value_residual, f"{family}'s layers use their own values only (False)"),
-    }
+    """For ``refuse_fields``: the switches (``SWITCHES``) ``config`` turns on, which neither Llama nor Qwen3
+    (``family``, named in each reason) can express. QK-norm and MLP biases are left to each family."""
+    return {name: (switch.on(config), switch.reason(config, family)) for name, switch in SWITCHES.items()}
 
 
 def mup_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[bool, str]]:
