@@ -65,9 +65,10 @@ def free_port() -> int:
 
 @pytest.fixture(autouse=True, scope="session")
 def _few_threads():
-    """The CI machine has 2 cores; more threads only add contention."""
+    """The CI machine has 2 cores; more threads only add contention. Under pytest-xdist (``make test`` runs one
+    worker per core) each worker computes on one thread, so the workers do not compete for the cores."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(min(2, previous))
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, previous))
     yield
     torch.set_num_threads(previous)
 
