@@ -37,6 +37,9 @@ check_transformers_version()
 # After the check, so that an unsupported version gets the error above rather than a missing name
 from transformers.generation import GenerationMixin  # noqa: E402
 from transformers.masking_utils import create_causal_mask as _create_causal_mask  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    create_sliding_window_causal_mask as _create_sliding_window_causal_mask,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast  # noqa: E402
 from transformers.modeling_rope_utils import dynamic_rope_update as _dynamic_rope_update  # noqa: E402
 
@@ -103,6 +106,13 @@ def create_causal_mask(config, inputs_embeds: torch.Tensor, attention_mask, cach
     return _create_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
 
 
+def create_sliding_window_causal_mask(config, inputs_embeds: torch.Tensor, attention_mask, cache, position_ids=None):
+    """transformers' ``create_sliding_window_causal_mask`` (the window from ``config.sliding_window``), its arguments
+    passed by position for the same reason as ``create_causal_mask``'s. It exists with these five parameters on every
+    supported release; with a cache it sizes the mask by the cache's first sliding layer on each."""
+    return _create_sliding_window_causal_mask(config, inputs_embeds, attention_mask, cache, position_ids)
+
+
 def dynamic_rope_update(rope_forward):
     """transformers' decorator for the rotary module's ``forward`` (rescales "dynamic" and "longrope" RoPE to the
     input's length). 5.12 records a grown length under ``None_max_seq_len_cached`` (fixed in 5.13), so "dynamic"
@@ -149,6 +159,7 @@ __all__ = [
     "output_cache",
     "accepts_past_key_values",
     "create_causal_mask",
+    "create_sliding_window_causal_mask",
     "dynamic_rope_update",
     "slice_logits_to_keep",
 ]

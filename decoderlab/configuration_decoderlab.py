@@ -30,6 +30,8 @@ NormType = Literal["layernorm", "rmsnorm"]
 MlpType = Literal["gated", "plain"]
 HiddenAct = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh", "relu2"]
 Parametrization = Literal["standard", "mup"]
+# each layer's attention (layer_types' entries): transformers' names, which its masks and caches read
+LayerType = Literal["full_attention", "sliding_attention"]
 
 
 # muP's base model (mup_base_shapes): the sizes besides hidden_size (mup_base_width) that a matrix's sides are made of
@@ -109,6 +111,25 @@ class DecoderLabConfig(PreTrainedConfig):
     """Every layer after the first mixes the first layer's values into its own, v <- v + l (v_1 - v), with l a learned
     scalar per layer, 0.5 at first (Zhou et al. 2024; modded-nanogpt, record of 2024-11-06): later layers keep access
     to the tokens' own values."""
+    layer_types: list[str] | None = None
+    """Each layer's attention, one entry per layer (``None``: ``"full_attention"`` on every layer).
+    ``"full_attention"``: a query attends to every token up to itself. ``"sliding_attention"``: only to the last
+    ``sliding_window`` tokens, itself included (Beltagy et al. 2020, Longformer; Mistral 7B, Jiang et al. 2023, on
+    every layer; Gemma 2 alternates the two). transformers' names (Qwen3, Gemma 2): its masking utilities build each
+    kind's mask, and ``DynamicCache(config=...)`` keeps only the last ``sliding_window - 1`` keys and values of a
+    sliding layer, so its cache stays bounded however long the text grows."""
+    sliding_window: int | None = None
+    """How many tokens a ``"sliding_attention"`` layer's query sees: itself and the ``sliding_window - 1`` tokens
+    before it (transformers' definition). Needed when ``layer_types`` has a sliding layer; read by nothing else, so
+    with every layer full it changes nothing (as in Qwen3's config; transformers' tools set it on any config that has
+    the field). Mistral's one window for every layer is ``layer_types=["sliding_attention"] * num_hidden_layers``."""
+    attention_sinks: bool = False
+    """A learned logit s_h per query head joins each softmax's denominator and is then dropped (gpt-oss's ``sinks``,
+    OpenAI 2025; a learned form of the attention sinks of Xiao et al. 2024): the weights are exp(l_j) / (exp(s_h) +
+    sum_k exp(l_k)), so a head can give its tokens less than all of its attention, down to none. Each layer's
+    ``self_attn.sinks`` has ``num_attention_heads`` entries, drawn as gpt-oss draws them (normal, std
+    ``initializer_range``). Runs with ``attn_implementation="eager"``, which such a model picks by default: sdpa and
+    flex attention normalise inside their kernels, where no term can join the denominator, so they are refused."""
     # positions
     position_embedding_type: PositionEmbeddingType = "rope"
     """``"rope"`` rotary (Su et al. 2021), ``"sinusoidal"`` (Vaswani et al. 2017), ``"learned"`` absolute (GPT-2) or
@@ -119,6 +140,15 @@ class DecoderLabConfig(PreTrainedConfig):
     types of ``transformers.modeling_rope_utils`` (linear, dynamic, yarn, longrope, llama3) with their keys. The
     legacy ``rope_theta=``, ``partial_rotary_factor=`` and ``rope_scaling=`` keywords are accepted and moved here. A
     config without RoPE has no ``rope_parameters``."""
+    no_rope_layers: list[int] | None = None
+    """Which layers rotate their queries and keys, one entry per layer as SmolLM3 writes it: 1 = this layer applies
+    RoPE, 0 = it skips RoPE and sees positions only through causal masking (NoPE layers between RoPE layers: SmolLM3,
+    Hugging Face 2025; Yang et al. 2025, "Rope to Nope and Back Again"). ``None``: from ``no_rope_layer_interval``,
+    or 1 on every layer. Only with ``position_embedding_type="rope"``; a config without RoPE has none."""
+    no_rope_layer_interval: int | None = None
+    """SmolLM3's shorthand for ``no_rope_layers``: every n-th layer (the n-th, 2n-th, ..., counting from 1) skips
+    RoPE, no_rope_layers[i] = int((i + 1) % n != 0). ``None``: RoPE on every layer (SmolLM3's own default is 4;
+    decoderlab's keeps the plain model). Given together, the two must agree."""
     # normalisation
     norm_placement: NormPlacement = "pre"
     """``"pre"``: x + f(LN(x)) (GPT-2, Llama; stable, Xiong et al. 2020); ``"post"``: LN(x + f(x)) (the original
@@ -214,6 +244,8 @@ class DecoderLabConfig(PreTrainedConfig):
                     f"{self.num_attention_heads}: pick sizes that divide, or set head_dim explicitly."
                 )
             self.head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+        if self.layer_types is None:  # resolved here, as Qwen3's config does: one entry per layer
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
         if self.intermediate_size is None:
             if self.mlp_type == "gated":
                 self.intermediate_size = 64 * -(-8 * self.hidden_size // (3 * 64))
@@ -277,7 +309,76 @@ class DecoderLabConfig(PreTrainedConfig):
             raise ValueError(f"hidden_act={self.hidden_act!r} is not an activation transformers knows.")
         if self.position_embedding_type == "rope":
             self._check_rope()
+        self._check_layer_types()
+        self.no_rope_layers = self._resolve_no_rope_layers()
         self._check_parametrization()
+
+    def _check_layer_types(self) -> None:
+        n, window = self.num_hidden_layers, self.sliding_window
+        if len(self.layer_types) != n:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, but num_hidden_layers={n}: give one attention type "
+                "per layer, or leave layer_types out for full attention on every layer."
+            )
+        allowed = _choices(LayerType)
+        for i, kind in enumerate(self.layer_types):
+            if kind not in allowed:
+                raise ValueError(
+                    f"layer_types[{i}]={kind!r} is not an attention type decoderlab builds; allowed: "
+                    f"{', '.join(map(repr, allowed))}."
+                )
+        sliding = [i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention"]
+        if window is not None and (isinstance(window, bool) or window < 1):
+            raise ValueError(
+                f"sliding_window must be a positive number of tokens (a sliding layer's query sees itself and the "
+                f"sliding_window - 1 tokens before it), got {window!r}."
+            )
+        if sliding and window is None:
+            raise ValueError(
+                f"layer_types makes layers {sliding} 'sliding_attention', but sliding_window is None: set "
+                "sliding_window, how many tokens each of their queries sees (itself included)."
+            )
+
+    def _resolve_no_rope_layers(self) -> list[int] | None:
+        """``no_rope_layers`` checked and complete (from ``no_rope_layer_interval`` as SmolLM3's config derives it,
+        else 1 on every layer); None without RoPE."""
+        n, given, interval = self.num_hidden_layers, self.no_rope_layers, self.no_rope_layer_interval
+        if interval is not None and (isinstance(interval, bool) or interval < 1):
+            raise ValueError(
+                f"no_rope_layer_interval must be a positive integer (every n-th layer skips RoPE), got {interval!r}."
+            )
+        from_interval = None if interval is None else [int((i + 1) % interval != 0) for i in range(n)]
+        if given is not None:
+            if len(given) != n:
+                raise ValueError(
+                    f"no_rope_layers has {len(given)} entries, but num_hidden_layers={n}: give one per layer, 1 where "
+                    "the layer applies RoPE and 0 where it skips it (SmolLM3's convention)."
+                )
+            for i, value in enumerate(given):
+                if value not in (0, 1):
+                    raise ValueError(
+                        f"no_rope_layers[{i}]={value!r}: each entry is 1 (the layer applies RoPE) or 0 (it skips "
+                        "RoPE), as SmolLM3 writes it."
+                    )
+            if from_interval is not None and [int(v) for v in given] != from_interval:
+                raise ValueError(
+                    f"no_rope_layers={list(given)} and no_rope_layer_interval={interval} disagree (the interval gives "
+                    f"{from_interval}): pass one of them."
+                )
+        if self.position_embedding_type != "rope":
+            skipping = "no_rope_layer_interval" if interval is not None else None
+            if skipping is None and 0 in (given or []):
+                skipping = "no_rope_layers"
+            if skipping is not None:
+                raise ValueError(
+                    f"{skipping}={getattr(self, skipping)!r} makes layers skip RoPE, but position_embedding_type="
+                    f"{self.position_embedding_type!r} rotates no layer: use position_embedding_type='rope', or leave "
+                    f"{skipping} out."
+                )
+            return None  # nothing rotates, so there is nothing to list (as rope_parameters, which such a config lacks)
+        if given is not None:
+            return [int(v) for v in given]
+        return from_interval if from_interval is not None else [1] * n
 
     def _check_parametrization(self) -> None:
         if not is_mup(self):

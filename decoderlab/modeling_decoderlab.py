@@ -17,6 +17,7 @@ from .compat_decoderlab import (  # isort: skip
     base_model_output,
     causal_lm_output,
     create_causal_mask,
+    create_sliding_window_causal_mask,
     dynamic_rope_update,
     output_cache,
     slice_logits_to_keep,
@@ -271,6 +272,24 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(B, n_kv, n_rep, T, hs).reshape(B, n_kv * n_rep, T, hs)
 
 
+def attention_scores(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """Q K^T * scale + mask: (B, nh, T, S) for q: (B, nh, T, hs) and k: (B, n_kv, S, hs). The mask is transformers'
+    (masking_utils) for this layer's type: a sliding layer's hides the keys before its window too."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, nh, T, S)
+    if attention_mask is not None:
+        scores = scores + attention_mask  # 0 where allowed, -inf (dtype min) where masked
+    return scores
+
+
+def attend_values(module: nn.Module, weights: torch.Tensor, value: torch.Tensor, dropout: float) -> torch.Tensor:
+    """The attention weights (B, nh, T, S) applied to v: (B, n_kv, S, hs), after dropout; (B, T, nh, hs)."""
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, repeat_kv(value, module.num_key_value_groups)).transpose(1, 2).contiguous()
+
+
 def eager_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -282,15 +301,29 @@ def eager_attention_forward(
     **kwargs: Unpack[TransformersKwargs],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q K^T * scale + mask) V, written out. q: (B, nh, T, hs); k, v: (B, n_kv, S, hs)."""
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, nh, T, S)
-    if attention_mask is not None:
-        scores = scores + attention_mask  # 0 where allowed, -inf (dtype min) where masked
+    scores = attention_scores(module, query, key, attention_mask, scaling)
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    out = torch.matmul(weights, value).transpose(1, 2).contiguous()  # (B, T, nh, hs)
-    return out, weights
+    return attend_values(module, weights, value, dropout), weights
+
+
+def eager_attention_with_sinks(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention whose softmax has one more logit per query head, the learned sink s_h (``module.sinks``, gpt-oss):
+    w_j = exp(l_j) / (exp(s_h) + sum_k exp(l_k)). The sink's column is dropped after the softmax, so a row of weights
+    sums to less than 1; what is missing goes nowhere (the sink has no value)."""
+    scores = attention_scores(module, query, key, attention_mask, scaling)  # (B, nh, T, S)
+    B, nh, T, _ = scores.shape
+    sinks = module.sinks.to(scores.dtype).reshape(1, nh, 1, 1).expand(B, nh, T, 1)
+    weights = F.softmax(torch.cat((scores, sinks), dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
+    return attend_values(module, weights, value, dropout), weights
 
 
 class DecoderLabFirstValues(nn.Module):
@@ -321,12 +354,21 @@ def make_value_residual(config: DecoderLabConfig, layer_idx: int) -> nn.Module |
     return DecoderLabFirstValues() if layer_idx == 0 else DecoderLabValueResidual()
 
 
+def applies_rope(config: DecoderLabConfig, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` rotates its queries and keys: a RoPE model's layers do, but those whose
+    ``no_rope_layers`` entry is 0 (SmolLM3's convention)."""
+    return config.position_embedding_type == "rope" and bool(config.no_rope_layers[layer_idx])
+
+
 class DecoderLabAttention(nn.Module):
     """Multi-head attention with grouped-query / multi-query variants and a switchable scale.
 
     Every head is computed in parallel as one batched matmul; the heads' outputs are concatenated
     and mixed by ``o_proj``. The kernel comes from transformers' attention interface, so
     ``attn_implementation`` "eager", "sdpa", "flex_attention" and "flash_attention_2" all work.
+    Each layer has its attention type (``layer_types``: full or a sliding window, which the mask it is given
+    enforces), rotates q and k or not (``no_rope_layers``), and may have learned sink logits (``attention_sinks``,
+    eager attention only).
     """
 
     def __init__(self, config: DecoderLabConfig, layer_idx: int):
@@ -355,6 +397,16 @@ class DecoderLabAttention(nn.Module):
         self.q_norm = make_norm(config, hs) if config.qk_norm else None
         self.k_norm = make_norm(config, hs) if config.qk_norm else None
         self.value_residual = make_value_residual(config, layer_idx)  # None, the first layer's, or a later one's
+        self.attention_type = config.layer_types[layer_idx]
+        # Eager, sdpa and flex attention see the window in the mask made for this layer's type (flex: in its block mask,
+        # which skips the blocks outside the window); flash attention's kernels take it as this argument
+        self.sliding_window = config.sliding_window if self.attention_type == "sliding_attention" else None
+        # RoPE (Su et al. 2021) on this layer, or none: a RoPE-free layer (no_rope_layers) sees positions only through
+        # the causal mask; the tables are computed once for every layer either way (DecoderLabModel.forward)
+        self.rotary = apply_rotary_pos_emb if applies_rope(config, layer_idx) else None
+        # gpt-oss's learned sink logits, one per query head, and the eager attention that puts them in the softmax
+        self.sinks = nn.Parameter(torch.empty(nh)) if config.attention_sinks else None
+        self.eager_attention = eager_attention_with_sinks if config.attention_sinks else eager_attention_forward
 
     def forward(  # internal: called with `cache` only, so no argument-renaming wrapper
         self,
@@ -375,14 +427,14 @@ class DecoderLabAttention(nn.Module):
         # dimension 1 (as in Qwen 3), on contiguous memory: the same numbers, fewer strided passes
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if position_embeddings is not None:  # RoPE
-            q, k = apply_rotary_pos_emb(q, k, *position_embeddings, unsqueeze_dim=2)
+        if self.rotary is not None:  # RoPE, on every layer no_rope_layers leaves it on
+            q, k = self.rotary(q, k, *position_embeddings, unsqueeze_dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, n_kv, S, hs): past and present
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+            self.config._attn_implementation, self.eager_attention
         )
         y, weights = attention_interface(
             self,
@@ -392,6 +444,7 @@ class DecoderLabAttention(nn.Module):
             attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
+            sliding_window=self.sliding_window,
             **kwargs,
         )  # y: (B, T, nh, hs)
         y = self.o_proj(y.reshape(B, T, -1))  # concatenate the heads, then mix them
@@ -544,6 +597,12 @@ def check_tensor_parallel(config: DecoderLabConfig, tp_size: int) -> None:
     """A ValueError unless ``tp_size`` processes can share the attention heads: both ``num_attention_heads`` and
     ``num_key_value_heads`` must divide by it (one key/value head cannot be split between two processes)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if tp_size > 1 and config.attention_sinks:
+        raise ValueError(
+            f"Tensor parallelism over {tp_size} processes splits the attention heads, but not attention_sinks' logits "
+            "(one per head, each process would hold them all). Load the model without tp_plan, or train it with "
+            "attention_sinks=False."
+        )
     if tp_size <= 1 or (heads % tp_size == 0 and kv_heads % tp_size == 0):
         return
     fitting = [n for n in range(2, math.gcd(heads, kv_heads) + 1) if heads % n == 0 and kv_heads % n == 0]
@@ -617,6 +676,12 @@ _ROLES_BY_TENSOR: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # ----------------------------------------------------------------------------------------------
+# Masks: transformers' own, one function per attention type (layer_types' entries), each called once per forward
+
+MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+# ----------------------------------------------------------------------------------------------
 # Hugging Face models
 
 
@@ -646,6 +711,24 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
             tp_size = torch.distributed.get_world_size()
         if tp_size:  # loading with tp_plan: refuse a layout the plan cannot split before any weight is read
             check_tensor_parallel(config, tp_size)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
+        """transformers' choice of attention kernel (when the model is built, and by ``set_attn_implementation``),
+        with one rule of decoderlab's first: learned attention sinks join the softmax's denominator, which only the
+        eager attention written here computes, so a model with ``attention_sinks`` gets "eager" by default and refuses
+        any other kernel by name. SDPA and flex attention normalise inside their kernels (transformers' flex adds
+        sinks from its log-sum-exp, which it does not return on a CPU), and only some flash-attention builds take
+        sinks, the others dropping them without a word."""
+        if self.config.attention_sinks:
+            if attn_implementation is None:
+                attn_implementation = "eager"
+            elif attn_implementation != "eager":
+                raise ValueError(
+                    f"attn_implementation={attn_implementation!r} cannot apply attention_sinks=True: the sink logit "
+                    "joins the softmax's denominator, which that kernel computes inside itself. Use "
+                    "attn_implementation='eager' (the default for such a model), or attention_sinks=False."
+                )
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     def parameter_roles(self) -> dict[str, ParameterRole]:
         """Every parameter's role, by name (as ``named_parameters`` lists them: a tied ``lm_head`` is the token
@@ -682,6 +765,8 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
                     roles[name] = ParameterRole("readout", fan_in=widths["hidden_size"])
                 elif isinstance(module, DecoderLabValueResidual):
                     roles[name] = ParameterRole("scalar")
+                elif isinstance(module, DecoderLabAttention) and attr == "sinks":
+                    roles[name] = ParameterRole("attention_sink")
                 else:
                     raise ValueError(
                         f"The parameter {name} ({type(module).__name__}.{attr}, shape {tuple(param.shape)}) has no "
@@ -778,6 +863,8 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         self.dropout = nn.Dropout(config.hidden_dropout) if config.hidden_dropout > 0 else None  # as in the layers
         layer_class = decoder_layer_class(config)
         self.layers = nn.ModuleList([layer_class(config, i) for i in range(config.num_hidden_layers)])
+        # the kinds of mask the layers read, each made once per forward (a model without sliding layers makes one)
+        self.mask_functions = {kind: MASK_FUNCTIONS[kind] for kind in dict.fromkeys(config.layer_types)}
         # post-LN blocks already end in a norm, so only the other placements need a final one
         self.norm = make_norm(config, config.hidden_size) if config.norm_placement != "post" else nn.Identity()
         self.gradient_checkpointing = False
@@ -834,8 +921,15 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
             else:
                 position_ids = torch.arange(T, device=inputs_embeds.device)[None] + past_seen
 
-        # None when SDPA's own causal path suffices (no padding): no mask is materialised then
-        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, given_position_ids)
+        # One mask per attention type the layers use; None where SDPA's own causal path suffices (no padding, and for
+        # a sliding layer no key outside its window): no mask is materialised then. generate() with a static cache
+        # passes them ready-made, by attention type (a 4D mask a single type's function hands back as it is)
+        masks = attention_mask
+        if not isinstance(masks, dict):
+            masks = {
+                kind: make_mask(self.config, inputs_embeds, attention_mask, cache, given_position_ids)
+                for kind, make_mask in self.mask_functions.items()
+            }
 
         hidden_states = inputs_embeds
         if self.embed_positions is not None:  # learned / sinusoidal: added once, at the bottom
@@ -849,7 +943,7 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=masks[layer.self_attn.attention_type],
                 position_embeddings=position_embeddings,
                 cache=cache,
                 values=values,

@@ -1,7 +1,7 @@
 """What each kind of parameter gets: one table from (role, optimizer, parametrization) to its rules.
 
 ``DecoderLabPreTrainedModel.parameter_roles()`` names every parameter's role once (hidden matrix, residual output,
-readout, token or position embedding, gain, bias, scalar, adapter). ``RULES`` says what a parameter of each role gets:
+readout, token or position embedding, gain, bias, scalar, attention sink, adapter). ``RULES`` says what a parameter of each role gets:
 its optimizer group and update rule, its peak rate and muP's factor on it, its weight decay, and how it starts. The
 model's ``_init_weights``, the training scripts' optimizer groups (``training/optim.py``) and the exporters' muP folds
 all read this one table; a parameter the model names no role for is refused by name.
@@ -37,6 +37,7 @@ Role = Literal[
     "gain",  # a norm's weight
     "bias",  # any bias
     "scalar",  # a learned number that mixes two paths (the value residual's lambda)
+    "attention_sink",  # a learned logit per query head in the attention softmax's denominator (gpt-oss's sinks)
     "adapter",  # a LoRA factor (peft's lora_A / lora_B): one side the rank, fixed
 ]
 ANY = "*"
@@ -88,6 +89,7 @@ RULES: tuple[Rule, ...] = (
     Rule("gain",               ANY,       ANY,        "other",         "adamw", "learning_rate",           False,    None,                "ones"),
     Rule("bias",               ANY,       ANY,        "other",         "adamw", "learning_rate",           False,    None,                "zeros"),
     Rule("scalar",             ANY,       ANY,        "other",         "adamw", "learning_rate",           False,    None,                "own"),
+    Rule("attention_sink",     ANY,       ANY,        "other",         "adamw", "learning_rate",           False,    None,                "normal"),
 )
 # fmt: on
 # The groups in the order an optimizer holds them: a checkpoint's optimizer state lists its groups by position
@@ -119,7 +121,8 @@ def init_std(role: ParameterRole, config) -> float | None:
     """The standard deviation a parameter of ``role`` is drawn with, or None for one that is not drawn (gains, biases,
     scalars, adapters).
 
-    ``initializer_range`` for matrices (times muP's factor), the readout and learned positions;
+    ``initializer_range`` for matrices (times muP's factor), the readout, learned positions and attention sinks (as
+    gpt-oss draws its sinks);
     ``embedding_initializer_range`` (when set) for the token embeddings; a residual output also shrinks by
     sqrt(2 x layers) with ``scale_residual_init`` (GPT-2, Radford et al. 2019: the residual stream's variance stays
     bounded with depth). With ``zero_residual_init`` it is drawn and then zeroed (see _init_weights)."""

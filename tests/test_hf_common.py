@@ -270,3 +270,14 @@ else:
         """GPT-NeoX's parallel residual without any position information (NoPE)."""
 
         config_overrides = {"use_parallel_residual": True, "position_embedding_type": "none"}
+
+    class DecoderLabSlidingRopeFreeTest(_DecoderLabCommonTests, unittest.TestCase):
+        """A per-layer layout: a sliding layer (a 3-token window over the 7-token inputs) without RoPE, then a full
+        layer with it; two kinds of mask per forward, a bounded cache layer beside a growing one. Without attention
+        sinks, which run on the eager attention only while these tests switch kernels."""
+
+        config_overrides = {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 3,
+            "no_rope_layers": [0, 1],
+        }

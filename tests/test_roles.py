@@ -52,11 +52,11 @@ def test_the_table_has_exactly_one_rule_for_every_role_optimizer_and_parametriza
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_parameter_of_every_preset_has_its_role(preset):
     """parameter_roles names every parameter once (a tied head as the token embedding), for every preset, the
-    classifier and the switches that add parameters (value residual, learned positions, QK-norm, biases): the
-    blocks' linear layers are hidden matrices or residual outputs by BLOCK_MATRICES, lm_head and score readouts,
-    norms' weights gains, biases biases, the value residual's lambda a scalar."""
+    classifier and the switches that add parameters (value residual, learned positions, QK-norm, biases, attention
+    sinks): the blocks' linear layers are hidden matrices or residual outputs by BLOCK_MATRICES, lm_head and score
+    readouts, norms' weights gains, biases biases, the value residual's lambda a scalar, the sinks attention sinks."""
     fields = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-                  value_residual=True, qk_norm=True)  # fmt: skip
+                  value_residual=True, qk_norm=True, attention_sinks=True)  # fmt: skip
     for model in (DecoderLabForCausalLM(DecoderLabConfig.from_preset(preset, **fields)),
                   DecoderLabForSequenceClassification(DecoderLabConfig.from_preset(preset, **fields))):  # fmt: skip
         roles = model.parameter_roles()
@@ -74,6 +74,8 @@ def test_every_parameter_of_every_preset_has_its_role(preset):
                 expected = "readout"
             elif name.endswith("value_residual.weight"):
                 expected = "scalar"
+            elif name.endswith("self_attn.sinks"):
+                expected = "attention_sink"
             else:
                 expected = "gain"
                 assert "norm" in name, name

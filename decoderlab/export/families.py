@@ -161,6 +161,12 @@ def _rotary_fraction(config: DecoderLabConfig) -> float:
     return (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
 
 
+def _sliding_reason(config: DecoderLabConfig, family: str) -> str:
+    if family == "Qwen3":  # Qwen3Config has the fields; the export does not write them yet
+        return "this export writes Qwen3 layers with full attention only (every 'full_attention'), for now"
+    return f"{family} attends to every earlier token in every layer (every 'full_attention')"
+
+
 @dataclass(frozen=True)
 class Switch:
     """A DecoderLabConfig field that, switched on, makes the model compute what no Llama-shaped family can (Llama,
@@ -207,14 +213,22 @@ SWITCHES: dict[str, Switch] = {
                                       "block", {"final_logit_softcapping": 30.0}),
     "value_residual": Switch(lambda c: c.value_residual, "{family}'s layers use their own values only (False)",
                              {"value_residual": True}),
+    "layer_types": Switch(lambda c: "sliding_attention" in c.layer_types, _sliding_reason,
+                          {"layer_types": ["sliding_attention"], "sliding_window": 4}),
+    "no_rope_layers": Switch(lambda c: 0 in (c.no_rope_layers or []), "{family} applies RoPE in every layer (all 1)",
+                             {"no_rope_layers": [0]}),
+    "attention_sinks": Switch(lambda c: c.attention_sinks, "{family}'s softmax has no sink logits (False); gpt-oss's "
+                              "has, with another block", {"attention_sinks": True}),
 }  # fmt: skip
 # The other fields, and why a Llama-shaped export can take them: a size, a token id, a setting Llama has under its
 # own name (LLAMA_FIELDS); what only training or the first step sees (dropout, initialisation); QK-norm and MLP
 # biases, which each family decides (Llama and Qwen3 differ); muP's fields, folded into the weights or refused
-# (mup_in_the_way, mup_folds)
+# (mup_in_the_way, mup_folds); what only a switch's layers read or what only writes a switch (sliding_window, read by
+# sliding layers alone; no_rope_layer_interval, resolved into no_rope_layers)
 CARRIED_FIELDS = frozenset(LLAMA_FIELDS) | {
     "hidden_dropout", "scale_residual_init", "zero_residual_init", "embedding_initializer_range", "qk_norm",
-    "parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier",
+    "parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier", "sliding_window",
+    "no_rope_layer_interval",
 }  # fmt: skip
 
 

@@ -4,8 +4,8 @@
     python tests/version_matrix/roundtrip.py check DIR [DIR ...] [--resave-to OUT] [--json FILE]
 
 ``save`` builds one tiny model per position type x block layout x attention type (4 x 4 x 3), plus one per RoPE
-scaling type (``ROPE_SCALINGS``), two under muP (``MUP_LAYOUTS``: the logits' and attention's multipliers) and per
-set of the speedrun's switches (``SPEEDRUN``), its weights
+scaling type (``ROPE_SCALINGS``), two under muP (``MUP_LAYOUTS``: the logits' and attention's multipliers), per
+set of the speedrun's switches (``SPEEDRUN``) and one per-layer attention layout (``LAYOUT``), its weights
 re-drawn so logits are O(1) (the default init makes them so small that a 1e-5 tolerance would hide bugs), and
 writes each with ``save_pretrained`` beside ``reference.pt``: fp32 logits of a fixed batch and of a left-padded
 one (with RoPE also of a sequence longer than max_position_embeddings, and of the batch again after it), and
@@ -78,6 +78,10 @@ SPEEDRUN = {
                      value_residual=True),
     "speedrunplain": dict(hidden_act="relu2", mlp_type="plain", final_logit_softcapping=2.0),
 }
+# a per-layer attention layout: a sliding layer (window 4, well under the 16 tokens a generation reaches) without
+# RoPE, then a full one with it, and learned attention sinks in both (eager attention, which such a model picks)
+LAYOUT = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4, no_rope_layers=[0, 1],
+              attention_sinks=True)  # fmt: skip
 SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 PAD = 0
 NEW_TOKENS = 6
@@ -117,6 +121,7 @@ def matrix() -> dict[str, dict]:
         configs[f"{name.split('_')[0]}mup_{name.split('_', 1)[1]}"] = dict(configs[name], **MUP)
     for name, mechanisms in SPEEDRUN.items():  # the speedrun's switches, on the pre-norm Llama layouts
         configs[f"rope{name}_pre_gqa"] = dict(configs["rope_pre_gqa"], **mechanisms)
+    configs["ropelayout_pre_gqa"] = dict(configs["rope_pre_gqa"], **LAYOUT)
     return configs
 
 
