@@ -13,6 +13,10 @@ DATA ?= $(if $(wildcard ../shared/data/tiny_shakespeare),../shared/data/tiny_sha
 OUT ?= out/shakespeare_char
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# The test targets run one pytest-xdist worker per core (at most 4), each computing on one thread (tests/conftest.py),
+# the tests handed out as workers free up (worksteal); JOBS=1 runs them in one process
+JOBS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+XDIST := $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist worksteal)
 
 OLAH_VENV ?= .venv-olah
 # llama.cpp, built from the llama-cpp-python source distribution: the CPU library only, for x86-64 with AVX2
@@ -119,10 +123,10 @@ demo: venv
 
 # PYTEST_ARGS come last, so `make test PYTEST_ARGS="-k rope"` narrows the run and `-m slow` replaces the marker
 test: venv hf-tests
-	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 test-all: venv olah llamacpp vllm hf-tests katex
-	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(PYTEST_ARGS)
+	DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The fast tests and the slow ones marked cpu_features again, with torch's and oneDNN's kernels held to AVX2: what a
 # CPU without AVX-512, AMX or bf16 instructions runs (most laptops), on any x86-64 machine. The first line says which
@@ -132,7 +136,7 @@ test-all: venv olah llamacpp vllm hf-tests katex
 AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-avx2
 test-avx2: venv hf-tests
 	$(AVX2_ONLY) $(PY) -c "from benchmarks.common import machine_line; print(machine_line(2))"
-	$(AVX2_ONLY) DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest -m "not slow or cpu_features" $(PYTEST_ARGS)
+	$(AVX2_ONLY) DECODERLAB_HF_TESTS=$(abspath $(HF_TESTS)) $(PY) -m pytest $(XDIST) -m "not slow or cpu_features" $(PYTEST_ARGS)
 
 # The checkpoint round trip across transformers releases, each in its own environment under .venv-tf/
 test-versions:
