@@ -2,8 +2,9 @@
 
     python3 tests/version_matrix/run_matrix.py [--versions 5.12.1,...,5.24.0] [--source DIR] [--jobs 2]
 
-Creates (once) one environment per release under ``.venv-tf/<major.minor>`` (torch 2.13.0 first, then only
-transformers and safetensors: decoderlab is never installed there), then with ``roundtrip.py``:
+Creates (once) one environment per release under ``.venv-tf/<major.minor>`` (transformers and safetensors only:
+decoderlab is never installed there; torch 2.13.0 is installed once, in ``.venv-tf/_torch``, which every
+environment reads through a .pth file), then with ``roundtrip.py``:
 
 - saves the checkpoint matrix under every release (each also checks its own cached / uncached / padded
   generations agree);
@@ -46,8 +47,27 @@ def minor(version: str) -> str:
     return ".".join(version.split(".")[:2])
 
 
-def ensure_venv(venvs: pathlib.Path, version: str, python: str) -> pathlib.Path:
-    """The environment for ``version``, created unless it already holds exactly that release."""
+def ensure_torch(venvs: pathlib.Path, python: str) -> pathlib.Path:
+    """One installation of torch (and what it needs) that every release's environment shares (``ensure_venv`` puts
+    it on their path): torch is most of an environment's size, and the same build for every release."""
+    shared = venvs / "_torch"
+    marker = shared / ".installed"
+    if marker.exists() and marker.read_text().strip() == TORCH:
+        return shared
+    shutil.rmtree(shared, ignore_errors=True)
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    log = venvs / "install-torch.log"
+    with log.open("w") as out:
+        command = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", str(shared), TORCH]
+        if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+            raise RuntimeError(f"Installing {TORCH} into {shared} failed; see {log}")
+    marker.write_text(TORCH + "\n")
+    return shared
+
+
+def ensure_venv(venvs: pathlib.Path, version: str, python: str, torch_dir: pathlib.Path) -> pathlib.Path:
+    """The environment for ``version``, created unless it already holds exactly that release; torch comes from
+    ``torch_dir`` (``ensure_torch``), through a .pth file after the environment's own packages."""
     venv = venvs / minor(version)
     marker = venv / ".installed"
     if marker.exists() and marker.read_text().splitlines()[:1] == [version]:
@@ -62,9 +82,11 @@ def ensure_venv(venvs: pathlib.Path, version: str, python: str) -> pathlib.Path:
         def run(command: list[str]) -> bool:
             return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode == 0
 
-        for command in ([python, "-m", "venv", str(venv)], pip + [TORCH]):
-            if not run(command):
-                raise RuntimeError(f"Creating {venv} failed at `{' '.join(command)}`; see {log}")
+        if not run([python, "-m", "venv", str(venv)]):
+            raise RuntimeError(f"Creating {venv} failed; see {log}")
+        site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        (pathlib.Path(site) / "shared_torch.pth").write_text(str(torch_dir.resolve()) + "\n")
         if not run(pip + [f"transformers=={version}", "safetensors"]):
             missing = install_without_unavailable(pip, version, run)
             if not missing or any(requirement_name(r) not in OPTIONAL_FOR_THE_ROUND_TRIP for r in missing):
@@ -160,9 +182,14 @@ def create_environments(versions: list[str], venvs: pathlib.Path, python: str, j
     made: dict[str, pathlib.Path] = {}
     errors: list[str] = []
 
+    try:
+        torch_dir = ensure_torch(venvs, python)
+    except RuntimeError as err:
+        raise SystemExit(str(err)) from None
+
     def make(version: str) -> None:
         try:
-            made[version] = ensure_venv(venvs, version, python)
+            made[version] = ensure_venv(venvs, version, python, torch_dir)
         except RuntimeError as err:
             errors.append(str(err))
 
