@@ -87,3 +87,23 @@ def test_exporters_import_downwards_to_the_checkpoint_reader():
         assert exporters <= below, f"{name} imports {sorted(exporters - below)}, which sit above it or beside it"
     importers = sorted(name for name, imports in GRAPH.items() if "decoderlab.convert" in imports)
     assert not importers, f"{importers} import the command decoderlab.convert; import from decoderlab.export instead"
+
+
+# torch APIs the package uses as it is imported (subclassed or called at import time), and the first torch release
+# that has each: the floor pyproject.toml declares must be at least the newest of them
+TORCH_AT_IMPORT = {"torch.optim.Muon": (2, 9)}  # training/optim.py: class BatchedMuon(torch.optim.Muon)
+
+
+def test_the_torch_floor_has_every_api_used_at_import():
+    """pyproject.toml's torch requirement admits no release that lacks an API the package needs as soon as it is
+    imported (a training script on torch 2.8 would fail to import, AdamW runs included), and each such API is
+    really used where the table says."""
+    import re
+    import tomllib
+
+    requirement = next(r for r in tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+                       ["dependencies"] if r.startswith("torch"))  # fmt: skip
+    floor = tuple(int(part) for part in re.fullmatch(r"torch>=(\d+)\.(\d+)", requirement).groups())
+    assert floor >= max(TORCH_AT_IMPORT.values()), requirement
+    optim = (PACKAGE.parent / "training" / "optim.py").read_text()
+    assert "class BatchedMuon(torch.optim.Muon)" in optim
