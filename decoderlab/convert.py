@@ -1,6 +1,6 @@
 """Convert a checkpoint to or from decoderlab: the one command over ``decoderlab.export``.
 
-    python -m decoderlab.convert --from {llama,gpt2,neox} SRC DST   # -> decoderlab; SRC: a local folder or a Hub repo id
+    python -m decoderlab.convert --from FAMILY SRC DST               # llama, qwen3, mistral, smollm3, gpt2, neox
     python -m decoderlab.convert --to llama SRC DST                  # decoderlab -> plain LlamaForCausalLM
     python -m decoderlab.convert --to qwen3 SRC DST                  # with QK-norm -> plain Qwen3ForCausalLM
     python -m decoderlab.convert --to gguf SRC OUT.gguf [--outtype f32|f16|bf16|q8_0]   # -> llama.cpp, Ollama
@@ -10,7 +10,8 @@
 or from Python, ``convert_from("gpt2", src, dst)``, ``convert_to_llama(src, dst)``, ``convert_to_qwen3(src, dst)``,
 ``convert_to_gguf(src, out, outtype)``, ``export_onnx(src, out)`` and ``export_executorch(src, out)``, importable
 from here or from ``decoderlab.export``, whose modules say how each conversion works (``families``, ``gguf_file``,
-``onnx_executorch``). Every one checks SRC, DST and the configuration before it writes anything.
+``onnx_executorch``). SRC is a local folder or a Hub repo id. Every one checks SRC, DST and the configuration before
+it writes anything.
 """
 
 import argparse
@@ -31,13 +32,17 @@ from .export import (
 from .export.checkpoint import DEFAULT_MAX_SHARD_SIZE
 from .export.families import (
     FROM,
+    REFUSED_SOURCES,
     TO_LLAMA,
     TO_QWEN3,
     Conversion,
     convert,
     decoderlab_config_from_gpt2,
     decoderlab_config_from_llama,
+    decoderlab_config_from_mistral,
     decoderlab_config_from_neox,
+    decoderlab_config_from_qwen3,
+    decoderlab_config_from_smollm3,
     llama_config_from_decoderlab,
     qwen3_config_from_decoderlab,
 )
@@ -55,6 +60,9 @@ __all__ = [
     "TO_LLAMA",
     "TO_QWEN3",
     "decoderlab_config_from_llama",
+    "decoderlab_config_from_qwen3",
+    "decoderlab_config_from_mistral",
+    "decoderlab_config_from_smollm3",
     "decoderlab_config_from_gpt2",
     "decoderlab_config_from_neox",
     "llama_config_from_decoderlab",
@@ -81,12 +89,16 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m decoderlab.convert",
         description=(
-            "Convert Llama / GPT-2 / GPT-NeoX checkpoints to decoderlab, or decoderlab to a Llama or Qwen3 checkpoint, "
+            "Convert Llama / Qwen3 / Mistral / SmolLM3 / GPT-2 / GPT-NeoX checkpoints to decoderlab, or decoderlab to "
+            "a Llama or Qwen3 checkpoint, "
             "a GGUF file (llama.cpp, Ollama), an ONNX model (ONNX Runtime) or an ExecuTorch program."
         ),
     )
     direction = parser.add_mutually_exclusive_group(required=True)
-    direction.add_argument("--from", dest="family", choices=list(FROM), help="convert this family to decoderlab")
+    # gpt_oss is a choice so that it is refused with the reason (REFUSED_SOURCES), not as an unknown name
+    direction.add_argument(
+        "--from", dest="family", choices=[*FROM, *REFUSED_SOURCES], help="convert this family to decoderlab"
+    )
     direction.add_argument(
         "--to", dest="target", choices=list(TARGETS), help="convert decoderlab to this family or format"
     )

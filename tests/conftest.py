@@ -16,6 +16,7 @@ Fixtures here are generic on purpose (several test files use them); do not renam
 - ``position_and_block``: each position type paired with one block layout (four cases, every value of both), for
   tests too slow for the whole product (graph exports).
 - ``free_port()`` (a function, imported by the tests that start servers): a free TCP port on 127.0.0.1.
+- ``left_padding(batch, length)`` (a function): an attention mask whose row b starts with 3*b padding positions.
 """
 
 import os
@@ -54,6 +55,14 @@ POSITION_BLOCK_PAIRS = dict(zip(typing.get_args(PositionEmbeddingType), BLOCK_VA
 
 # num_key_value_heads with 4 query heads
 ATTENTION_HEADS = {"mha": 4, "gqa": 2, "mqa": 1}
+
+
+def left_padding(batch: int, length: int) -> torch.Tensor:
+    """(B, T) attention mask: row b starts with 3*b padding positions (a function, imported by the tests that pad)."""
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b in range(batch):
+        mask[b, : 3 * b] = 0
+    return mask
 
 
 def free_port() -> int:

@@ -12,10 +12,13 @@ compiled path decodes a sliding layout, and every bad layout is refused when its
 
 import copy
 import math
+import sys
+import types
 from unittest.mock import patch
 
 import pytest
 import torch
+from conftest import left_padding
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 from transformers import (
     GptOssConfig,
@@ -27,12 +30,19 @@ from transformers import (
     SmolLM3ForCausalLM,
 )
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation import GenerationMixin
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
 import decoderlab.compat_decoderlab as compat
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.generation import compiled_decoding_is_on, generate, set_compiled_decoding
-from decoderlab.modeling_decoderlab import DecoderLabAttention, DecoderLabRotaryEmbedding, check_tensor_parallel
+from decoderlab.kernels_decoderlab import DecodingStepFastPath
+from decoderlab.modeling_decoderlab import (
+    DecoderLabAttention,
+    DecoderLabRotaryEmbedding,
+    check_tensor_parallel,
+)
 from decoderlab.roles_decoderlab import init_std, rule_for
 
 S, F = "sliding_attention", "full_attention"
@@ -67,14 +77,6 @@ def layout_model(randomize, layout: dict, attn_implementation: str | None = None
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     return model
-
-
-def left_padding(batch: int, length: int) -> torch.Tensor:
-    """(B, T) attention mask: row b starts with 3*b padding positions."""
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for b in range(batch):
-        mask[b, : 3 * b] = 0
-    return mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,6 +238,67 @@ def test_sinks_run_eager_and_other_kernels_are_refused_by_name(randomize):
         assert plain.config._attn_implementation == kernel
     with pytest.raises(ValueError, match="attention_sinks' logits"):
         check_tensor_parallel(model.config, 2)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["vllm-with-check_sinks", "vllm-without"])
+def test_sinks_go_to_vllms_attention_only_where_it_checks_that_they_arrive(randomize, monkeypatch, checked):
+    """vLLM's Transformers backend registers its attention as "vllm" and takes each layer's sinks from the ``s_aux=``
+    argument of the one attention call in DecoderLabAttention.forward: a model with sinks is built on that kernel
+    only where the module registering it also has vLLM's ``check_sinks`` (which stops the engine if its attention did
+    not take them), and each layer then hands the kernel its own sinks; without that check (a vLLM that could drop
+    them) it is refused by name. Models without sinks hand it None. Here a stand-in for vLLM's module computes what
+    the eager attention with sinks computes, with its own causal mask (as vLLM's kernel, which reads no mask)."""
+    backend = types.ModuleType("stand_in_for_vllm_backend")
+    handed = []
+
+    def vllm_attention(module, query, key, value, attention_mask, **kwargs):
+        handed.append(kwargs["s_aux"])
+        T, S = query.shape[-2], key.shape[-2]
+        causal = torch.full((T, S), torch.finfo(query.dtype).min).triu(S - T + 1)
+        return module.eager_attention(module, query, key, value, causal, **kwargs)  # with sinks where it has them
+
+    vllm_attention.__module__ = backend.__name__
+    if checked:
+        backend.check_sinks = lambda *args: None
+    monkeypatch.setitem(sys.modules, backend.__name__, backend)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "vllm", vllm_attention)
+    eager = layout_model(randomize, LAYOUTS["sinks"])
+    if not checked:
+        with pytest.raises(ValueError, match=r"This vLLM cannot apply attention_sinks=True: .* \(check_sinks\)"):
+            eager.set_attn_implementation("vllm")
+        return
+    on_vllm = copy.deepcopy(eager)
+    on_vllm.set_attn_implementation("vllm")
+    assert on_vllm.config._attn_implementation == "vllm"
+    ids = torch.randint(0, 99, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(on_vllm(ids).logits, eager(ids).logits, rtol=0, atol=0)
+    assert [id(sinks) for sinks in handed] == [id(layer.self_attn.sinks) for layer in on_vllm.model.layers]
+    handed.clear()
+    plain = layout_model(randomize, {}, "vllm")
+    with torch.no_grad():
+        plain(ids)
+    assert handed == [None] * 4
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "left-padding"])
+def test_the_decoding_fast_path_keeps_the_window(randomize, padded):
+    """generate()'s decoding steps on a CPU take DecodingStepFastPath's short preparation (GenerationMixin's own runs
+    for the prompt alone), which hands the model the 2D mask and the cache, so the window comes from the same masks
+    and sliding cache layers: greedy tokens 30 past the window, left-padded too, equal those of GenerationMixin's own
+    preparation at every step and of decoding without a cache."""
+    model = layout_model(randomize, LAYOUTS["mix"])
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    prompt = torch.randint(1, 99, (3, 9))
+    mask = left_padding(3, 9) if padded else torch.ones_like(prompt)
+    greedy = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    general = GenerationMixin.prepare_inputs_for_generation
+    with patch.object(GenerationMixin, "prepare_inputs_for_generation", autospec=True, side_effect=general) as slow:
+        fast = model.generate(prompt, **greedy)
+    assert slow.call_count == 1  # the prompt; every decoding step took the short path
+    with patch.object(DecodingStepFastPath, "SHORT_PATH_KWARGS", frozenset()):  # the short path never applies
+        assert torch.equal(model.generate(prompt, **greedy), fast)
+    assert torch.equal(model.generate(prompt, use_cache=False, **greedy), fast)
 
 
 @pytest.mark.parametrize("layout", ["mix", "all sliding"])

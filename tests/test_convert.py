@@ -1,10 +1,11 @@
-"""decoderlab.export.families (and its command, decoderlab.convert): Llama / GPT-2 / GPT-NeoX checkpoints to
-decoderlab, and decoderlab to Llama and Qwen3.
+"""decoderlab.export.families (and its command, decoderlab.convert): Llama / Qwen3 / Mistral / SmolLM3 / GPT-2 /
+GPT-NeoX checkpoints to decoderlab, and decoderlab to Llama and Qwen3, per-layer layouts (sliding windows, RoPE-free
+layers) included where the family has them, refused by name where it has not.
 
-The reference is always transformers' own implementation: a random-weight LlamaForCausalLM,
-GPT2LMHeadModel or GPTNeoXForCausalLM built here, saved, converted, and compared logit for logit
-(fp32, atol 1e-5, which an exact GELU in place of GPT-2's tanh approximation already exceeds) and
-token for token under greedy decoding.
+The reference is always transformers' own implementation: a random-weight LlamaForCausalLM, GPT2LMHeadModel,
+GPTNeoXForCausalLM, Qwen3ForCausalLM, MistralForCausalLM or SmolLM3ForCausalLM built here, saved, converted, and
+compared logit for logit (fp32, atol 1e-5, which an exact GELU in place of GPT-2's tanh approximation already exceeds)
+and token for token under greedy decoding.
 """
 
 import json
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from conftest import left_padding
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
@@ -24,8 +26,13 @@ from transformers import (
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
@@ -274,19 +281,54 @@ def test_every_config_field_is_a_switch_or_carried():
     assert fields == switch_fields | CARRIED_FIELDS, fields ^ (switch_fields | CARRIED_FIELDS)
 
 
-@pytest.mark.parametrize("name", sorted(SWITCHES))
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_every_switch_is_refused_by_name_by_llama_and_qwen3(name, family):
-    """Each switch of the table, on (its example) on a model both families otherwise express, is refused by --to
-    llama and --to qwen3 in a line naming it and what the family does instead; off, the same model exports."""
-    base = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, qk_norm=family == "qwen3")
-    export = qwen3_config_from_decoderlab if family == "qwen3" else llama_config_from_decoderlab
-    export(DecoderLabConfig.from_preset("llama", **base))
-    config = DecoderLabConfig.from_preset("llama", **{**base, **SWITCHES[name].example})
+# (switch, family) for every switch of the table and each Llama-shaped family: refused unless the family carries it
+EXPORTS = {"llama": llama_config_from_decoderlab, "qwen3": qwen3_config_from_decoderlab}
+REFUSED = [(name, family) for name in sorted(SWITCHES) for family in EXPORTS
+           if family.capitalize() not in SWITCHES[name].carried_by]  # fmt: skip
+CARRIED = [(name, family) for name in sorted(SWITCHES) for family in EXPORTS
+           if family.capitalize() in SWITCHES[name].carried_by]  # fmt: skip
+
+
+def switch_base(family: str) -> dict:
+    """A small model both families express but for QK-norm, which only Qwen3 has; 3 layers, for the per-layer
+    switches."""
+    return dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, qk_norm=family == "qwen3")
+
+
+@pytest.mark.parametrize(("name", "family"), REFUSED)
+def test_every_switch_is_refused_by_name_where_the_family_lacks_it(name, family):
+    """Each switch of the table, on (its example) on a model both families otherwise express, is refused by the
+    export to each family that does not carry it (--to llama, --to qwen3) in a line naming it and what the family does
+    instead; off, the same model exports."""
+    export = EXPORTS[family]
+    export(DecoderLabConfig.from_preset("llama", **switch_base(family)))
+    config = DecoderLabConfig.from_preset("llama", **{**switch_base(family), **SWITCHES[name].example})
     with pytest.raises(ValueError, match="stand in the way") as refused:
         export(config)
     reason = SWITCHES[name].reason(config, family.capitalize())
     assert any(line.startswith(f"  {name}=") and line.endswith(reason) for line in str(refused.value).splitlines())
+
+
+@pytest.mark.parametrize(("name", "family"), CARRIED)
+def test_every_switch_a_family_carries_exports_to_it_exactly(name, family, tmp_path, randomize):
+    """Each switch a family carries (its ``carried_by``: Qwen3's sliding layers), on (its example), exports through
+    the command to that family's own transformers class, which gives decoderlab's logits within 1e-5 over 16 tokens
+    (four times the example's window) and its greedy tokens 12 past the prompt; the same weights without the switch
+    compute something else, so the switch got across."""
+    fields = {**switch_base(family), **SIZES}
+    config = DecoderLabConfig.from_preset("llama", **fields, **SWITCHES[name].example)
+    original = randomize(DecoderLabForCausalLM(config))
+    main(["--to", family, str(saved(original.eval(), tmp_path / "src")), str(tmp_path / "dst")])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert type(exported).__name__ == f"{family.capitalize()}ForCausalLM"
+    ids = torch.randint(0, VOCAB, (2, 16))
+    plain = DecoderLabForCausalLM(DecoderLabConfig.from_preset("llama", **fields)).eval()
+    assert plain.load_state_dict(original.state_dict(), strict=False).missing_keys == []
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, original(ids).logits, rtol=0, atol=1e-5)
+        assert (plain(ids).logits - original(ids).logits).abs().max() > 1e-3
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(exported.generate(ids[:, :4], **greedy), original.generate(ids[:, :4], **greedy))
 
 
 def test_llama_export_refusal_lists_every_field_in_the_way():
@@ -574,3 +616,231 @@ def test_logit_softcapping_and_value_residual_are_refused_by_name(family, tmp_pa
     model = qk_norm_model(randomize, qk_norm=family == "qwen3", zero_residual_init=True)
     convert = convert_to_qwen3 if family == "qwen3" else convert_to_llama
     convert(saved(model, tmp_path / "uncapped"), tmp_path / "dst")
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer layouts: Qwen3, Mistral and SmolLM3 -> decoderlab, decoderlab -> Qwen3 and back
+
+S, F = "sliding_attention", "full_attention"
+WINDOW = 5
+LAYOUT_SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+                    pad_token_id=None)  # fmt: skip
+
+
+def without_layer_types(folder) -> None:
+    """config.json as older Qwen3 checkpoints on the Hub write it: use_sliding_window and max_window_layers, no
+    layer_types (Qwen3Config derives them: sliding from layer max_window_layers on)."""
+    config = json.loads((folder / "config.json").read_text())
+    del config["layer_types"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+# name -> (--from family, the reference, a change to its saved files, the layout decoderlab must read)
+LAYOUT_SOURCES = {
+    "qwen3-sliding-layers-headdim32": (
+        "qwen3",
+        lambda: Qwen3ForCausalLM(Qwen3Config(**LAYOUT_SIZES, head_dim=32, use_sliding_window=True,
+                                             sliding_window=WINDOW, layer_types=[S, F, S, S])),
+        None,
+        dict(layer_types=[S, F, S, S], sliding_window=WINDOW, qk_norm=True),
+    ),
+    "qwen3-max-window-layers-biases-tied": (
+        "qwen3",
+        lambda: Qwen3ForCausalLM(Qwen3Config(**LAYOUT_SIZES, head_dim=16, use_sliding_window=True,
+                                             sliding_window=WINDOW, max_window_layers=1, attention_bias=True,
+                                             tie_word_embeddings=True)),
+        without_layer_types,
+        dict(layer_types=[F, S, S, S], sliding_window=WINDOW, attention_bias=True, tie_word_embeddings=True),
+    ),
+    "mistral-window": (
+        "mistral",
+        lambda: MistralForCausalLM(MistralConfig(**LAYOUT_SIZES, sliding_window=WINDOW)),
+        None,
+        dict(layer_types=[S] * 4, sliding_window=WINDOW, attention_bias=False),
+    ),
+    "mistral-no-window": (
+        "mistral",
+        lambda: MistralForCausalLM(MistralConfig(**LAYOUT_SIZES, sliding_window=None)),
+        None,
+        dict(layer_types=[F] * 4, sliding_window=None),
+    ),
+    "smollm3-rope-free-every-second-tied": (
+        "smollm3",
+        lambda: SmolLM3ForCausalLM(SmolLM3Config(**LAYOUT_SIZES, no_rope_layer_interval=2)),
+        None,
+        dict(no_rope_layers=[1, 0, 1, 0], layer_types=[F] * 4, tie_word_embeddings=True),
+    ),
+    "smollm3-sliding-rope-free-layers-biases": (
+        "smollm3",
+        lambda: SmolLM3ForCausalLM(SmolLM3Config(**LAYOUT_SIZES, no_rope_layers=[0, 1, 1, 0], use_sliding_window=True,
+                                                 sliding_window=WINDOW, attention_bias=True, mlp_bias=True,
+                                                 tie_word_embeddings=False)),
+        None,
+        dict(no_rope_layers=[0, 1, 1, 0], layer_types=[S, F, F, S], sliding_window=WINDOW, mlp_bias=True),
+    ),
+}  # fmt: skip
+
+
+def reference_model(build, randomize):
+    """``build()`` re-drawn; a tied head scaled by 1/sqrt(hidden_size), so that the logits are O(1) and not dominated
+    by the input token's own embedding."""
+    model = randomize(build()).eval()
+    if model.config.tie_word_embeddings:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(model.config.hidden_size**-0.5)
+    return model
+
+
+def assert_same_layout_model(reference, converted, ids: torch.Tensor, padding: torch.Tensor) -> None:
+    """Logits within 1e-5 for each attention kernel, each side on the same kernel, with and without left padding (at
+    the real positions); greedy tokens 30 past an 8-token prompt, through each side's own KV cache, with eager and
+    SDPA. (Flex attention's decoding step does not compile on this CPU build of torch, for transformers' models as
+    for decoderlab's, so it is compared on whole sequences only.)"""
+    real = padding.bool()
+    with torch.no_grad():
+        for kernel in ("eager", "sdpa", "flex_attention"):
+            reference.set_attn_implementation(kernel)
+            converted.set_attn_implementation(kernel)
+            torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=0, atol=1e-5, msg=kernel)
+            padded, expected = (model(ids, attention_mask=padding).logits for model in (converted, reference))
+            torch.testing.assert_close(padded[real], expected[real], rtol=0, atol=1e-5, msg=kernel)
+        greedy = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
+        for kernel in ("eager", "sdpa"):
+            reference.set_attn_implementation(kernel)
+            converted.set_attn_implementation(kernel)
+            assert torch.equal(converted.generate(ids[:, :8], **greedy), reference.generate(ids[:, :8], **greedy))
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_SOURCES))
+def test_convert_from_qwen3_mistral_smollm3_keeps_each_layout(case, tmp_path, randomize):
+    """`python -m decoderlab.convert --from qwen3|mistral|smollm3` reads each family's per-layer layout as its config
+    resolves it (Qwen3's layer_types, or its use_sliding_window / max_window_layers where an older config.json has no
+    layer_types; Mistral's one window on every layer; SmolLM3's no_rope_layer_interval or no_rope_layers, and its
+    sliding layers) into decoderlab's fields, with QK-norm, head_dim, biases and tying: the converted model gives
+    transformers' logits within 1e-5 over 40 tokens (eight windows) on every kernel, left-padded too, and its greedy
+    tokens 30 past the prompt. The same weights without the layout differ, so each layout is one that matters."""
+    family, build, change, layout = LAYOUT_SOURCES[case]
+    reference = reference_model(build, randomize)
+    src = saved(reference, tmp_path / "src")
+    if change is not None:
+        change(src)
+    main(["--from", family, str(src), str(tmp_path / "dst")])
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert isinstance(converted, DecoderLabForCausalLM)
+    assert {key: getattr(converted.config, key) for key in layout} == layout
+    ids = torch.randint(0, VOCAB, (3, 40))
+    assert_same_layout_model(reference, converted, ids, left_padding(3, 40))
+    if layout.get("sliding_window") or 0 in layout.get("no_rope_layers", [1]):
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "dst", layer_types=[F] * 4, no_rope_layers=[1] * 4)
+        with torch.no_grad():
+            assert (plain.eval()(ids).logits - converted(ids).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "layout", [[S, F, S, S], [S] * 4, [F, F, S, S]], ids=["mixed", "all-sliding", "full-then-sliding"]
+)
+def test_sliding_layers_go_to_qwen3_and_back(layout, tmp_path, randomize):
+    """--to qwen3 keeps decoderlab's sliding layers (layer_types, sliding_window, use_sliding_window=True, and
+    max_window_layers at the first sliding layer): transformers' own Qwen3ForCausalLM, no remote code, gives
+    decoderlab's logits within 1e-5 over 40 tokens on every kernel, left-padded too, and its greedy tokens 30 past the
+    prompt; --from qwen3 then brings back exactly the same weights and config."""
+    config = DecoderLabConfig.from_preset("llama", **LAYOUT_SIZES, qk_norm=True, layer_types=layout,
+                                          sliding_window=WINDOW)  # fmt: skip
+    original = randomize(DecoderLabForCausalLM(config)).eval()
+    main(["--to", "qwen3", str(saved(original, tmp_path / "decoderlab")), str(tmp_path / "qwen3")])
+    written = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    assert "auto_map" not in written and not list((tmp_path / "qwen3").glob("*.py"))
+    assert (written["layer_types"], written["sliding_window"], written["use_sliding_window"]) == (layout, WINDOW, True)
+    assert written["max_window_layers"] == layout.index(S)
+    as_qwen3 = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3").eval()
+    assert type(as_qwen3) is Qwen3ForCausalLM
+    ids = torch.randint(0, VOCAB, (3, 40))
+    assert_same_layout_model(as_qwen3, original, ids, left_padding(3, 40))
+
+    main(["--from", "qwen3", str(tmp_path / "qwen3"), str(tmp_path / "back")])
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    before, after = original.state_dict(), back.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
+    volatile = {"architectures", "auto_map", "transformers_version", "_name_or_path", "dtype", "_attn_implementation"}
+    assert {k: v for k, v in back.config.to_dict().items() if k not in volatile} == {
+        k: v for k, v in original.config.to_dict().items() if k not in volatile
+    }
+
+
+def layout_checkpoint(tmp_path, randomize, qk_norm: bool):
+    """A decoderlab checkpoint with all three layouts: sliding layers 0, 2 and 3, layers 1 and 3 without RoPE, sinks."""
+    layout = dict(layer_types=[S, F, S, S], sliding_window=WINDOW, no_rope_layers=[1, 0, 1, 0], attention_sinks=True)
+    config = DecoderLabConfig.from_preset("llama", **LAYOUT_SIZES, qk_norm=qk_norm, **layout)
+    return saved(randomize(DecoderLabForCausalLM(config)), tmp_path / "src")
+
+
+def test_llama_refuses_each_layout_naming_its_layers(tmp_path, randomize, capsys):
+    """--to llama refuses sliding layers, RoPE-free layers and sinks, each on its line naming the layers (and where
+    sliding layers do export: --to qwen3); --to qwen3, which keeps the sliding layers, refuses the other two. Nothing
+    is written."""
+    src = layout_checkpoint(tmp_path, randomize, qk_norm=False)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        run_command(main, ["--to", "llama", str(src), str(tmp_path / "dst")])
+    assert exited.value.code == 1
+    lines = capsys.readouterr().err.split("stand in the way:\n")[1].splitlines()
+    assert lines[:3] == [
+        "  layer_types=['sliding_attention', 'full_attention', 'sliding_attention', 'sliding_attention']: layers 0, "
+        "2, 3 are 'sliding_attention' (each query sees the last sliding_window=5 tokens), but Llama attends to every "
+        "earlier token in every layer ('full_attention'); Qwen3 keeps sliding layers: export a model with QK-norm "
+        "with --to qwen3",
+        "  no_rope_layers=[1, 0, 1, 0]: layers 1, 3 skip RoPE (0), but Llama applies it in every layer (all 1)",
+        "  attention_sinks=True: every layer's softmax has a learned sink logit per head (self_attn.sinks), but "
+        "Llama's has none (False); gpt-oss's has, with another block",
+    ]
+    src = layout_checkpoint(tmp_path / "qk", randomize, qk_norm=True)
+    with pytest.raises(ValueError) as refused:
+        convert_to_qwen3(src, tmp_path / "dst")
+    names = [line.split("=")[0].strip() for line in str(refused.value).splitlines() if line.startswith("  ")]
+    assert names == ["no_rope_layers", "attention_sinks"]
+    assert not (tmp_path / "dst").exists()
+
+
+def test_gpt_oss_is_refused_with_what_it_lacks(tmp_path, capsys):
+    """--from gpt_oss names the mixture of experts decoderlab has no switch for (and that its attention alone would
+    be another model), before reading SRC; a gpt-oss folder given to --from llama says the same; nothing is written."""
+    with pytest.raises(SystemExit) as exited:
+        run_command(main, ["--from", "gpt_oss", str(tmp_path / "anything"), str(tmp_path / "dst")])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: gpt-oss cannot be converted to decoderlab: each of its blocks ends in a mixture of "
+                          "experts") and "computes something else, so nothing is converted" in err  # fmt: skip
+    (tmp_path / "oss").mkdir()
+    (tmp_path / "oss" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    with pytest.raises(ValueError, match=r"holds a 'gpt_oss' checkpoint .* expects 'llama'\. gpt-oss cannot be conv"):
+        convert_from("llama", tmp_path / "oss", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize(
+    ("family", "build", "match"),
+    [
+        (
+            "qwen3",
+            lambda: Qwen3ForCausalLM(Qwen3Config(**LAYOUT_SIZES, layer_types=[S, F, F, S], use_sliding_window=False)),
+            r"Qwen3 checkpoint's layer_types makes layers 0, 3 'sliding_attention', but use_sliding_window=False "
+            r"leaves sliding_window=None: transformers' Qwen3 cannot build their mask either",
+        ),
+        (
+            "smollm3",
+            lambda: SmolLM3ForCausalLM(SmolLM3Config(**LAYOUT_SIZES, layer_types=[F, S, F, F], sliding_window=WINDOW,
+                                                     use_sliding_window=False)),  # fmt: skip
+            r"SmolLM3 checkpoint's layer_types makes layer 1 'sliding_attention' with sliding_window=5, but "
+            r"use_sliding_window=False: .* depends on the kernel",
+        ),
+    ],
+    ids=["qwen3-sliding-without-window", "smollm3-window-off"],
+)
+def test_sliding_layers_without_one_meaning_are_refused(family, build, match, tmp_path):
+    """A Qwen3 checkpoint with sliding layers but no window (use_sliding_window=False clears it: transformers' own
+    Qwen3 fails at its first forward) and a SmolLM3 one whose window is off for flash attention but on in its masks
+    are refused with the fields and layers named, before anything is written: converting either would pick a meaning."""
+    with pytest.raises(ValueError, match=match):
+        convert_from(family, saved(build(), tmp_path / "src"), tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()

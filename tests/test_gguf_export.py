@@ -10,6 +10,9 @@
 Models are random (conftest's ``randomize``, so that every weight matters), built from the ``llama`` preset,
 with and without QK-norm (llama.cpp's ``qwen3`` and ``llama`` architectures), with the tokenizers the training scripts make (character, byte-level BPE) and a GPT-2-style one (vocab and
 merges, <|endoftext|> last, the model's vocabulary padded beyond the tokenizer's).
+
+The per-layer layouts (sliding windows, RoPE-free layers, attention sinks) are refused by name before anything is
+written: neither reader honours them for these two architectures, which a file with a window key shows.
 """
 
 import json
@@ -25,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Tokenizer
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.cli import run_command
 from decoderlab.convert import main
+from decoderlab.export import gguf_file
 from decoderlab.export.gguf_file import convert_to_gguf, interleave_rope_rows
 from tests.paths import INPUT_TXT, REPO_ROOT
 from training.data import EOS_TOKEN, train_bpe_tokenizer, train_char_tokenizer
@@ -38,6 +42,7 @@ TEXTS = [
     f"  Speak, speak.{EOS_TOKEN}KING RICHARD III:\nNow is the winter",
 ]
 NEW_TOKENS = 8
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +263,42 @@ def test_llamacpp_runs_every_outtype_within_its_tolerance(tokenizers, randomize,
             assert difference < LLAMACPP_RELATIVE_TOLERANCE[outtype], (kind, outtype, difference.item())
 
 
+@pytest.mark.slow
+def test_llamacpp_reads_no_window_from_llama_or_qwen3_files(tokenizers, randomize, tmp_path, monkeypatch):
+    """Why the export refuses sliding layers: a llama or qwen3 file that also says attention.sliding_window=3 (the key
+    llama.cpp reads for the architectures it windows) runs in llama.cpp, and in transformers' GGUF loader, as the same
+    weights with every layer full (last-token logits within 1e-3 after 24 tokens, eight windows), not as the model with
+    the window on every layer. Should a release start reading the key for these architectures, this fails, and the
+    export can carry windows instead of refusing them."""
+    tokenizer = tokenizers["char"]
+    write = gguf_file.write_metadata
+
+    def with_a_window(writer, *args):
+        write(writer, *args)
+        writer.add_sliding_window(3)
+
+    monkeypatch.setattr(gguf_file, "write_metadata", with_a_window)
+    text = TEXTS[0][:24]
+    ids = tokenizer(text).input_ids
+    models, jobs = {}, []
+    for arch, qk_norm in (("llama", False), ("qwen3", True)):
+        model = llama_model(randomize, len(tokenizer), qk_norm=qk_norm)
+        out = convert_to_gguf(checkpoint(tmp_path / arch, model, tokenizer), tmp_path / f"{arch}.gguf")
+        field = gguf.GGUFReader(out).fields[f"{arch}.attention.sliding_window"]
+        assert int(field.parts[-1][0]) == 3
+        windowed = llama_model(randomize, len(tokenizer), qk_norm=qk_norm, layer_types=[SLIDING, SLIDING],
+                               sliding_window=3)  # fmt: skip
+        windowed.load_state_dict(model.state_dict())
+        models[arch] = (model, windowed, out)
+        jobs.append({"model": str(out), "prompts": [text], "new_tokens": 0, "n_ctx": 128})
+    for (arch, (model, windowed, out)), results in zip(models.items(), run_llamacpp(jobs)):
+        llamacpp = torch.tensor(results[0]["last_logits"], dtype=torch.float64)
+        full, slid = logits(model, ids)[-1].double(), logits(windowed, ids)[-1].double()
+        torch.testing.assert_close(llamacpp, full, atol=1e-3, rtol=0, msg=arch)
+        assert (llamacpp - slid).abs().max() > 1e-2, arch
+        torch.testing.assert_close(logits(load_gguf(out, model.config), ids)[-1].double(), full, atol=1e-4, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input: a clear error, and nothing left in the output folder
 
@@ -334,13 +375,35 @@ def test_a_checkpoint_that_is_not_decoderlab_is_refused(randomize, tmp_path):
             dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
             r"rope_parameters\['rope_type'\]='linear'",
         ),
+        # the per-layer layouts: --to qwen3 keeps sliding layers, but neither GGUF reader does for qwen3 files
+        (
+            dict(qk_norm=True, layer_types=[SLIDING, FULL], sliding_window=4),
+            r"exports to Qwen3 but not to GGUF.*\n  layer_types=\['sliding_attention', 'full_attention'\]: layer 0 "
+            r"is 'sliding_attention' \(sliding_window=4\), but llama.cpp's qwen3 graph and transformers' GGUF loader "
+            r"read no window for qwen3 files: both would attend to every earlier token in every layer\n.*--to qwen3 "
+            r"instead",
+        ),
+        (
+            dict(layer_types=[SLIDING, SLIDING], sliding_window=4),
+            r"A Llama checkpoint .*\n  layer_types=.*: layers 0, 1 are 'sliding_attention'",
+        ),
+        (
+            dict(qk_norm=True, no_rope_layers=[0, 1]),
+            r"A Qwen3 checkpoint .*\n  no_rope_layers=\[0, 1\]: layer 0 skips RoPE",
+        ),
+        (dict(no_rope_layer_interval=2), r"A Llama checkpoint .*\n  no_rope_layers=\[1, 0\]: layer 1 skips RoPE"),
+        (
+            dict(qk_norm=True, attention_sinks=True),
+            r"A Qwen3 checkpoint .*\n  attention_sinks=True: every layer's softmax has a learned sink logit",
+        ),
     ],
 )
 def test_configurations_gguf_cannot_carry_are_refused_field_by_field(overrides, match, tokenizers, randomize, tmp_path):
-    """What --to llama (without QK-norm) or --to qwen3 (with it) refuses is refused with its field-by-field error;
-    what Llama or Qwen3 has but llama.cpp's graph or transformers' GGUF loader would not read back (another
-    activation, biases, scaled RoPE) is refused too, each field named with its value and the family's
-    --to flag offered instead, rather than written into a file that computes something else."""
+    """What --to llama (without QK-norm) or --to qwen3 (with it) refuses is refused with its field-by-field error
+    (RoPE-free layers and attention sinks among them, each naming its layers); what Llama or Qwen3 has but llama.cpp's
+    graph or transformers' GGUF loader would not read back (another activation, biases, scaled RoPE, Qwen3's sliding
+    layers) is refused too, each field named with its value and the family's --to flag offered instead, rather than
+    written into a file that computes something else."""
     tokenizer = tokenizers["char"]
     model = llama_model(randomize, len(tokenizer), **overrides)
     (tmp_path / "out").mkdir()

@@ -11,6 +11,10 @@ code that runs is the checkpoint's own, through vLLM's Transformers modeling bac
   within ``LOGPROB_ATOL`` of transformers' (so the whole forward agrees, not only its argmax). All checkpoints are
   served one after another by one offline ``LLM`` process (one engine each), with ``enforce_eager``: compiling each
   tiny model would cost a minute apiece; the compiled path is what the ``vllm serve`` test runs.
+- The per-layer attention layouts (sliding windows on some layers and on all, RoPE-free layers, learned sinks, all
+  three at once), served by a vLLM process of their own, equal ``generate`` the same way, and differ from the same
+  weights without the layout; ``--to qwen3`` exports of sliding layouts go to vLLM's own Qwen3, which serves every
+  layer sliding exactly and refuses some layers sliding.
 - ``vllm serve CKPT`` on 127.0.0.1 (the default, compiled path) answers ``/v1/completions`` with ``generate``'s text,
   then stops, with its engine process, when its pid gets SIGTERM.
 - The limitations (documented in the README's "Serving"): on CPU, vLLM's attention kernel refuses head
@@ -34,6 +38,7 @@ from transformers import AutoModelForCausalLM
 
 import decoderlab
 from decoderlab.configuration_decoderlab import NormPlacement, PositionEmbeddingType
+from decoderlab.convert import convert_to_qwen3
 from tests.paths import INPUT_TXT, REPO_ROOT
 from training.data import train_char_tokenizer
 
@@ -172,15 +177,9 @@ def checkpoints(tmp_path_factory, randomize):
     return saved
 
 
-@pytest.fixture(scope="module")
-def served(checkpoints, tmp_path_factory):
-    """What vLLM gave for every checkpoint (tests/vllm_runner.py), and the run's seconds."""
+def run_vllm(jobs: list[dict], tmp) -> dict:
+    """tests/vllm_runner.py on ``jobs`` in one vLLM process: what vLLM gave for each, and the run's seconds."""
     require_vllm()
-    tmp = tmp_path_factory.mktemp("vllm_offline")
-    jobs = [
-        dict(name=name, path=str(folder), prompts=PROMPTS, new_tokens=NEW_TOKENS, max_model_len=MAX_LEN)
-        for name, (folder, _) in checkpoints.items()
-    ]
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     start = time.perf_counter()
     # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine runs inside the runner, so one process serves the checkpoints
@@ -195,17 +194,33 @@ def served(checkpoints, tmp_path_factory):
     return json.loads((tmp / "results.json").read_text()) | {"seconds": seconds}
 
 
-@pytest.mark.parametrize("name", list(layouts()))
-def test_vllm_greedy_tokens_equal_generate(name, checkpoints, served):
-    """Protects: every layout serves in vLLM as it is. vLLM's greedy tokens for a batch of three prompts equal
-    ``generate``'s, and its log-probabilities of every prompt and generated token match transformers' within
-    LOGPROB_ATOL (a wrong position, norm, scale or KV head mapping changes them far more)."""
-    result, expected = served["results"][name], checkpoints[name][1]
+def job(name: str, folder, **options) -> dict:
+    return dict(name=name, path=str(folder), prompts=PROMPTS, new_tokens=NEW_TOKENS, max_model_len=MAX_LEN, **options)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints, tmp_path_factory):
+    """What vLLM gave for every checkpoint (tests/vllm_runner.py), and the run's seconds."""
+    jobs = [job(name, folder) for name, (folder, _) in checkpoints.items()]
+    return run_vllm(jobs, tmp_path_factory.mktemp("vllm_offline"))
+
+
+def assert_served_as_generate(result: dict, expected: dict, name: str) -> None:
+    """vLLM's greedy tokens are ``generate``'s, and its log-probabilities of every prompt and generated token are
+    transformers' within LOGPROB_ATOL."""
     assert "error" not in result, f"vLLM failed on {name}: {result['error']}\n{result['traceback'][-3000:]}"
     assert result["tokens"] == expected["tokens"]
     for key in ("prompt_logprobs", "logprobs"):
         for got, want in zip(result[key], expected[key]):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("name", list(layouts()))
+def test_vllm_greedy_tokens_equal_generate(name, checkpoints, served):
+    """Protects: every layout serves in vLLM as it is. vLLM's greedy tokens for a batch of three prompts equal
+    ``generate``'s, and its log-probabilities of every prompt and generated token match transformers' within
+    LOGPROB_ATOL (a wrong position, norm, scale or KV head mapping changes them far more)."""
+    assert_served_as_generate(served["results"][name], checkpoints[name][1], name)
 
 
 def test_vllm_runs_the_checkpoint_code(checkpoints, served):
@@ -222,6 +237,96 @@ def test_vllm_cpu_refuses_other_head_dims(checkpoints, served):
     result = served["results"]["rope_pre_gqa_head16"]
     assert "tokens" not in result
     assert "Unsupported CPU attention configuration: head_dim=16" in result["error"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer attention layouts, and their Qwen3 exports served by vLLM's own Qwen3
+
+S, F = "sliding_attention", "full_attention"
+WINDOW = 6  # under every prompt but the shortest plus its 8 generated tokens: 12 + 8 and 23 + 8 slide past it
+LAYOUT_SIZES = dict(SIZES, num_hidden_layers=4, num_key_value_heads=2)
+LAYOUTS = {
+    "sliding": dict(layer_types=[S, S, F, S], sliding_window=WINDOW),  # vLLM: a window on those layers alone
+    "allsliding": dict(layer_types=[S] * 4, sliding_window=WINDOW),  # vLLM: the model's one window
+    "ropefree": dict(no_rope_layers=[1, 0, 1, 0]),
+    "sinks": dict(attention_sinks=True),
+    "mix": dict(layer_types=[S, F, S, F], sliding_window=WINDOW, no_rope_layers=[0, 1, 1, 0], attention_sinks=True,
+                qk_norm=True),
+}  # fmt: skip
+# --to qwen3 exports, served by vLLM's own Qwen3 (no remote code): it windows every layer or none
+QWEN3_EXPORTS = {"qwen3allsliding": [S] * 4, "qwen3mixed": [F, S, F, S]}
+
+
+def layout_model(fields: dict, randomize) -> decoderlab.DecoderLabForCausalLM:
+    """``make_model``, with the sinks spread over [-2, 2] (each head gives its tokens from most to little of its
+    attention) rather than re-drawn around 1 like a norm's weight."""
+    model = make_model(fields, randomize)
+    if model.config.attention_sinks:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-2.0, 2.0, model.config.num_attention_heads))
+    return model
+
+
+@pytest.fixture(scope="module")
+def layout_checkpoints(tmp_path_factory, randomize):
+    """Name -> (folder, generate's outputs, those of the same weights without the layout, model_impl)."""
+    root = tmp_path_factory.mktemp("vllm_layouts")
+    saved = {}
+    with one_thread():
+        for index, (name, layout) in enumerate(LAYOUTS.items()):
+            torch.manual_seed(100 + index)
+            model = layout_model(dict(LAYOUT_SIZES, **layout), randomize)
+            plain_config = decoderlab.DecoderLabConfig(**LAYOUT_SIZES, qk_norm=model.config.qk_norm)
+            plain = decoderlab.DecoderLabForCausalLM(plain_config)
+            assert plain.load_state_dict(model.state_dict(), strict=False).missing_keys == []
+            model.save_pretrained(root / name)
+            saved[name] = (root / name, reference(model), reference(plain.eval()), "transformers")
+        for index, (name, layer_types) in enumerate(QWEN3_EXPORTS.items()):
+            torch.manual_seed(200 + index)
+            fields = dict(LAYOUT_SIZES, qk_norm=True, layer_types=layer_types, sliding_window=WINDOW)
+            model = layout_model(fields, randomize)
+            model.save_pretrained(root / f"{name}_decoderlab")
+            convert_to_qwen3(root / f"{name}_decoderlab", root / name)
+            plain = decoderlab.DecoderLabForCausalLM(decoderlab.DecoderLabConfig(**LAYOUT_SIZES, qk_norm=True))
+            plain.load_state_dict(model.state_dict())
+            saved[name] = (root / name, reference(model), reference(plain.eval()), "auto")
+    return saved
+
+
+@pytest.fixture(scope="module")
+def layouts_served(layout_checkpoints, tmp_path_factory):
+    jobs = [job(name, folder, model_impl=impl) for name, (folder, _, _, impl) in layout_checkpoints.items()]
+    return run_vllm(jobs, tmp_path_factory.mktemp("vllm_layouts_offline"))
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, "qwen3allsliding"])
+def test_vllm_serves_each_layout_as_generate_does(name, layout_checkpoints, layouts_served):
+    """Protects: vLLM computes each per-layer layout, not a plain model. Through its Transformers backend (the
+    checkpoint's code, vLLM's attention kernel): sliding windows on 3 of 4 layers (vLLM's per-layer window from
+    layer_types) and on all 4 (its model-wide window), RoPE-free layers (the checkpoint's code skips the rotation before
+    vLLM's kernel), learned sinks (the checkpoint hands them to vLLM's kernel as s_aux) and all three with QK-norm;
+    and a --to qwen3 export with every layer sliding, through vLLM's own Qwen3. Greedy tokens equal ``generate``'s and
+    log-probabilities transformers' within LOGPROB_ATOL, for prompts whose generation runs past the window; the same
+    weights without the layout give log-probabilities at least 100 times further off, so a dropped window, rotation
+    or sink cannot pass."""
+    result, expected, plain, _ = layouts_served["results"][name], *layout_checkpoints[name][1:]
+    assert_served_as_generate(result, expected, name)
+    furthest = max(abs(a - b) for got, want in zip(result["prompt_logprobs"], plain["prompt_logprobs"])
+                   for a, b in zip(got, want))  # fmt: skip
+    assert furthest > 100 * LOGPROB_ATOL
+    ran = {m.split(".")[1] for m in layouts_served["checkpoint_modules"] if m.endswith(".modeling_decoderlab")}
+    assert (name in ran) == (name in LAYOUTS) and layouts_served["decoderlab_imported"] is False
+
+
+def test_vllm_qwen3_refuses_a_qwen3_export_with_some_layers_sliding(layouts_served):
+    """Protects what the Qwen3 export writes for vLLM's own Qwen3, which windows every layer or none: a layout with
+    some layers sliding is refused there (max_window_layers, written as the first sliding layer, is not the layer
+    count), rather than served with every layer full. The decoderlab checkpoint of the same layout serves exactly
+    (above)."""
+    result = layouts_served["results"]["qwen3mixed"]
+    assert "tokens" not in result
+    assert "Sliding window for some but all layers is not supported" in result["error"]
 
 
 # ----------------------------------------------------------------------------------------------

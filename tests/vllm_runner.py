@@ -4,7 +4,8 @@
 
 Runs in ``.venv-vllm`` (``make vllm``), where decoderlab is not installed; it is also hidden here, so the only
 model code that can run is the checkpoint's own (``trust_remote_code``). Each job names a checkpoint folder and
-token-id prompts; each checkpoint gets its own ``LLM(model_impl="transformers", dtype=float32)``, answers every
+token-id prompts; each checkpoint gets its own ``LLM(model_impl="transformers", dtype=float32)`` (or the job's
+``model_impl``: ``"auto"`` serves a plain family's checkpoint with vLLM's own implementation), answers every
 prompt greedily (one batch, which vLLM schedules together), and is shut down before the next one starts. One
 engine per process would cost vLLM's import (about half a minute) per checkpoint; sequential engines in one
 process cost it once. A job that raises is recorded with its error and the rest still run.
@@ -41,7 +42,7 @@ def serve(job: dict) -> dict:
     start = time.perf_counter()
     llm = LLM(
         model=job["path"],
-        model_impl="transformers",
+        model_impl=job.get("model_impl", "transformers"),
         trust_remote_code=True,
         dtype="float32",
         seed=0,

@@ -4,7 +4,7 @@ None of these files travels inside a checkpoint (the four ``*_decoderlab.py`` fi
 Imports run one way, from the formats down to the shared checkpoint reader:
 
     checkpoint        SRC (folder or Hub repo id), its config.json, its safetensors tensors; the shard writer
-      families        Llama / GPT-2 / GPT-NeoX -> decoderlab, decoderlab -> Llama / Qwen3 (configs, tensor names)
+      families        Llama / Qwen3 / Mistral / SmolLM3 / GPT-2 / GPT-NeoX -> decoderlab, decoderlab -> Llama / Qwen3
         gguf_file         decoderlab -> one GGUF file (llama.cpp, Ollama), named as Llama or Qwen3
         onnx_executorch   decoderlab -> ONNX (ONNX Runtime), ExecuTorch program (XNNPACK)
 

@@ -1,9 +1,9 @@
-"""Checkpoints of the Hugging Face families: Llama, GPT-2 and GPT-NeoX to decoderlab, and decoderlab to Llama and
-Qwen3, one tensor at a time.
+"""Checkpoints of the Hugging Face families: Llama, Qwen3, Mistral, SmolLM3, GPT-2 and GPT-NeoX to decoderlab, and
+decoderlab to Llama and Qwen3, one tensor at a time.
 
-    python -m decoderlab.convert --from {llama,gpt2,neox} SRC DST   # SRC: a local folder or a Hub repo id
-    python -m decoderlab.convert --to llama SRC DST                  # decoderlab -> plain LlamaForCausalLM
-    python -m decoderlab.convert --to qwen3 SRC DST                  # with QK-norm -> plain Qwen3ForCausalLM
+    python -m decoderlab.convert --from {llama,qwen3,mistral,smollm3,gpt2,neox} SRC DST   # SRC: a folder or Hub repo id
+    python -m decoderlab.convert --to llama SRC DST      # decoderlab -> plain LlamaForCausalLM
+    python -m decoderlab.convert --to qwen3 SRC DST      # with QK-norm -> plain Qwen3ForCausalLM, sliding layers kept
 
 or from Python, ``convert_from("gpt2", src, dst)``, ``convert_to_llama(src, dst)`` and ``convert_to_qwen3(src, dst)``.
 Each family's config mapping (``llama_config_from_decoderlab`` ...) is also what the GGUF export starts from.
@@ -24,6 +24,12 @@ exactly what transformers itself writes (for decoderlab: ``auto_map`` for every 
 RoPE layout: HF Llama, HF Qwen3, HF GPT-NeoX and decoderlab all rotate the two halves of each head (HF's
 ``rotate_half``), so query and key weights are copied unpermuted. Checkpoints in Meta's original
 interleaved layout must go through transformers' own Llama converter first.
+
+Per-layer layouts: Qwen3's sliding layers (``layer_types``, ``sliding_window``), Mistral's one window for every layer
+and SmolLM3's RoPE-free layers (``no_rope_layers``) become decoderlab's fields of the same names. ``--to qwen3`` writes
+sliding layers back (``qwen3_window_fields``); ``--to llama`` refuses them, and both refuse RoPE-free layers and
+attention sinks, naming the layers (the switch table, ``SWITCHES``). gpt-oss is refused (``REFUSED_SOURCES``): its
+mixture of experts is nothing decoderlab computes.
 """
 
 import copy
@@ -43,10 +49,12 @@ from transformers import (
     GPTNeoXConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
 )
 from transformers.utils.hub import convert_file_size_to_int
 
@@ -83,11 +91,105 @@ LLAMA_SAME_FIELDS = (
 LLAMA_FIELDS = {**{name: name for name in LLAMA_SAME_FIELDS}, "norm_eps": "rms_norm_eps"}  # ours -> Llama's
 
 
+# Qwen3Config has Llama's fields but mlp_bias (its MLP has none); Mistral's layers have no biases at all; SmolLM3Config
+# has no head_dim (its attention divides hidden_size among the heads unless the config carries one)
+QWEN3_FIELDS = {ours: theirs for ours, theirs in LLAMA_FIELDS.items() if ours != "mlp_bias"}
+MISTRAL_FIELDS = {ours: theirs for ours, theirs in LLAMA_FIELDS.items() if ours not in ("attention_bias", "mlp_bias")}
+SMOLLM3_FIELDS = {ours: theirs for ours, theirs in LLAMA_FIELDS.items() if ours != "head_dim"}
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def name_layers(indices: list[int]) -> str:
+    """ "layer 3" or "layers 0, 1, 2": the layers a message is about."""
+    return f"layer{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+
+
+def sliding_layers(layer_types: list[str]) -> list[int]:
+    return [i for i, kind in enumerate(layer_types) if kind == SLIDING]
+
+
+def _from_llama_shaped(source: PreTrainedConfig, fields: dict[str, str], **family) -> DecoderLabConfig:
+    """The ``llama`` preset with ``fields`` (ours -> theirs) read from ``source``, and ``family``: what the family
+    fixes or keeps under other names (QK-norm, no biases, its per-layer layout)."""
+    values = {ours: copy.deepcopy(getattr(source, theirs)) for ours, theirs in fields.items()}
+    values["attention_dropout"] = float(values["attention_dropout"] or 0.0)  # the configs allow None and ints
+    return DecoderLabConfig.from_preset("llama", **values, **family)
+
+
 def decoderlab_config_from_llama(llama: LlamaConfig) -> DecoderLabConfig:
     """``llama`` preset; sizes, grouped-query heads, RoPE (theta and scaling), biases and tying as in ``llama``."""
-    fields = {ours: copy.deepcopy(getattr(llama, theirs)) for ours, theirs in LLAMA_FIELDS.items()}
-    fields["attention_dropout"] = float(fields["attention_dropout"] or 0.0)  # Llama allows None and ints
-    return DecoderLabConfig.from_preset("llama", **fields)
+    return _from_llama_shaped(llama, LLAMA_FIELDS)
+
+
+def _refuse_windowless_sliding_layers(source: PreTrainedConfig, family: str, why: str) -> None:
+    """A ValueError when ``source.layer_types`` has sliding layers that ``source`` gives no window: transformers'
+    sliding mask needs one, so such a checkpoint does not run in ``family`` itself either (``why``: the field that
+    left the window out)."""
+    sliding = sliding_layers(source.layer_types)
+    if sliding and source.sliding_window is None:
+        raise ValueError(
+            f"This {family} checkpoint's layer_types makes {name_layers(sliding)} 'sliding_attention', but {why}: "
+            f"transformers' {family} cannot build their mask either. Set the window in config.json (sliding_window, "
+            "with use_sliding_window=true) or make those layers 'full_attention', then convert."
+        )
+
+
+def decoderlab_config_from_qwen3(qwen3: Qwen3Config) -> DecoderLabConfig:
+    """``llama`` preset with QK-norm (Qwen3's q_norm / k_norm, eps rms_norm_eps), no MLP biases, and Qwen3's
+    per-layer layout as its config resolves it: ``layer_types`` (given, or sliding from layer ``max_window_layers``
+    on) and ``sliding_window``, which Qwen3Config sets to None unless ``use_sliding_window``."""
+    _refuse_windowless_sliding_layers(qwen3, "Qwen3", f"use_sliding_window={qwen3.use_sliding_window!r} leaves "
+                                      f"sliding_window={qwen3.sliding_window!r}")  # fmt: skip
+    return _from_llama_shaped(
+        qwen3, QWEN3_FIELDS, qk_norm=True, mlp_bias=False, layer_types=list(qwen3.layer_types),
+        sliding_window=qwen3.sliding_window,
+    )  # fmt: skip
+
+
+def decoderlab_config_from_mistral(mistral: MistralConfig) -> DecoderLabConfig:
+    """``llama`` preset without biases; Mistral's one window, ``sliding_window``, on every layer (None: every layer
+    attends fully). MistralForCausalLM reads no ``layer_types``, so none is taken from its config."""
+    n, window = mistral.num_hidden_layers, mistral.sliding_window
+    layer_types = [SLIDING if window is not None else FULL] * n
+    return _from_llama_shaped(
+        mistral, MISTRAL_FIELDS, attention_bias=False, mlp_bias=False, layer_types=layer_types, sliding_window=window
+    )
+
+
+def decoderlab_config_from_smollm3(smollm3: SmolLM3Config) -> DecoderLabConfig:
+    """``llama`` preset with SmolLM3's RoPE-free layers (``no_rope_layers``, which its config derives from
+    ``no_rope_layer_interval``) and sliding layers (``layer_types``: by default the RoPE-free ones, when
+    ``use_sliding_window`` and ``sliding_window`` are set). A sliding layer with ``use_sliding_window=False`` is
+    refused: transformers' SmolLM3 then puts the window in its masks (eager, SDPA, flex attention) but not in flash
+    attention's call, so the checkpoint has no one meaning."""
+    _refuse_windowless_sliding_layers(smollm3, "SmolLM3", f"sliding_window={smollm3.sliding_window!r}")
+    sliding = sliding_layers(smollm3.layer_types)
+    if sliding and not smollm3.use_sliding_window:
+        raise ValueError(
+            f"This SmolLM3 checkpoint's layer_types makes {name_layers(sliding)} 'sliding_attention' with "
+            f"sliding_window={smollm3.sliding_window}, but use_sliding_window=False: transformers' SmolLM3 then "
+            "applies the window in its masks (eager, sdpa, flex attention) and not with flash attention, so what it "
+            "computes depends on the kernel. Set use_sliding_window=true (the window on those layers) or make them "
+            "'full_attention' in config.json, then convert."
+        )
+    head_dim = getattr(smollm3, "head_dim", None) or smollm3.hidden_size // smollm3.num_attention_heads
+    return _from_llama_shaped(
+        smollm3, SMOLLM3_FIELDS, head_dim=head_dim, no_rope_layers=list(smollm3.no_rope_layers),
+        layer_types=list(smollm3.layer_types), sliding_window=smollm3.sliding_window,
+    )  # fmt: skip
+
+
+# Families whose checkpoints decoderlab cannot compute, by their --from name: why, and what to do instead
+REFUSED_SOURCES = {
+    "gpt_oss": (
+        "gpt-oss cannot be converted to decoderlab: each of its blocks ends in a mixture of experts (a router picks "
+        "num_experts_per_tok of num_local_experts MLPs per token, each a clamped SwiGLU with biases), and decoderlab "
+        "has one dense MLP per block and no switch for experts. Its attention decoderlab does have (attention_sinks="
+        "True; layer_types and sliding_window for its alternating windows), but a model with the experts left out "
+        "computes something else, so nothing is converted. Run it with transformers' GptOssForCausalLM."
+    ),
+}
 
 
 def decoderlab_config_from_gpt2(gpt2: GPT2Config) -> DecoderLabConfig:
@@ -162,20 +264,32 @@ def _rotary_fraction(config: DecoderLabConfig) -> float:
 
 
 def _sliding_reason(config: DecoderLabConfig, family: str) -> str:
-    if family == "Qwen3":  # Qwen3Config has the fields; the export does not write them yet
-        return "this export writes Qwen3 layers with full attention only (every 'full_attention'), for now"
-    return f"{family} attends to every earlier token in every layer (every 'full_attention')"
+    sliding = sliding_layers(config.layer_types)
+    return (
+        f"{name_layers(sliding)} {'is' if len(sliding) == 1 else 'are'} 'sliding_attention' (each query sees the last "
+        f"sliding_window={config.sliding_window} tokens), but {family} attends to every earlier token in every layer "
+        "('full_attention'); Qwen3 keeps sliding layers: export a model with QK-norm with --to qwen3"
+    )
+
+
+def _no_rope_reason(config: DecoderLabConfig, family: str) -> str:
+    skipping = [i for i, rotates in enumerate(config.no_rope_layers or []) if not rotates]
+    verb = "skips" if len(skipping) == 1 else "skip"
+    return f"{name_layers(skipping)} {verb} RoPE (0), but {family} applies it in every layer (all 1)"
 
 
 @dataclass(frozen=True)
 class Switch:
-    """A DecoderLabConfig field that, switched on, makes the model compute what no Llama-shaped family can (Llama,
-    Qwen3, and GGUF through them): ``on(config)`` says whether a config uses it, ``why`` (with ``{family}``) what
-    the family does instead, ``example`` the fields that switch it on (what the tests export, to see it refused)."""
+    """A DecoderLabConfig field that, switched on, makes the model compute what plain Llama cannot (and Qwen3 and GGUF
+    through them, unless they carry it): ``on(config)`` says whether a config uses it, ``why`` (with ``{family}``)
+    what a family without it does instead, ``example`` the fields that switch it on (what the tests export, to see it
+    refused or carried), ``carried_by`` the families whose checkpoints express it, so that their export writes it
+    instead of refusing it (``Qwen3Config`` has ``layer_types`` and ``sliding_window``)."""
 
     on: Callable[[DecoderLabConfig], bool]
     why: str | Callable[[DecoderLabConfig, str], str]
     example: dict
+    carried_by: frozenset[str] = frozenset()
 
     def reason(self, config: DecoderLabConfig, family: str) -> str:
         return self.why(config, family) if callable(self.why) else self.why.format(family=family)
@@ -183,7 +297,8 @@ class Switch:
 
 # The switch table: every model switch, as the exports see it. A field of DecoderLabConfig is either a switch here or
 # one of CARRIED_FIELDS (what a Llama-shaped family takes as it is, or what does not change the function), so a new
-# field cannot reach an export unclassified (tests/test_convert.py checks both, and exports every switch's example)
+# field cannot reach an export unclassified (tests/test_convert.py checks both, and exports every switch's example to
+# each family: refused by name where the family lacks it, the same logits where it carries it)
 SWITCHES: dict[str, Switch] = {
     "norm_placement": Switch(lambda c: c.norm_placement != "pre", "{family} normalises before each sublayer ('pre')",
                              {"norm_placement": "post"}),
@@ -213,12 +328,13 @@ SWITCHES: dict[str, Switch] = {
                                       "block", {"final_logit_softcapping": 30.0}),
     "value_residual": Switch(lambda c: c.value_residual, "{family}'s layers use their own values only (False)",
                              {"value_residual": True}),
-    "layer_types": Switch(lambda c: "sliding_attention" in c.layer_types, _sliding_reason,
-                          {"layer_types": ["sliding_attention"], "sliding_window": 4}),
-    "no_rope_layers": Switch(lambda c: 0 in (c.no_rope_layers or []), "{family} applies RoPE in every layer (all 1)",
-                             {"no_rope_layers": [0]}),
-    "attention_sinks": Switch(lambda c: c.attention_sinks, "{family}'s softmax has no sink logits (False); gpt-oss's "
-                              "has, with another block", {"attention_sinks": True}),
+    "layer_types": Switch(lambda c: SLIDING in c.layer_types, _sliding_reason,
+                          {"layer_types": [FULL, SLIDING, SLIDING], "sliding_window": 4},
+                          carried_by=frozenset({"Qwen3"})),
+    "no_rope_layers": Switch(lambda c: 0 in (c.no_rope_layers or []), _no_rope_reason, {"no_rope_layers": [1, 0, 0]}),
+    "attention_sinks": Switch(lambda c: c.attention_sinks, "every layer's softmax has a learned sink logit per head "
+                              "(self_attn.sinks), but {family}'s has none (False); gpt-oss's has, with another block",
+                              {"attention_sinks": True}),
 }  # fmt: skip
 # The other fields, and why a Llama-shaped export can take them: a size, a token id, a setting Llama has under its
 # own name (LLAMA_FIELDS); what only training or the first step sees (dropout, initialisation); QK-norm and MLP
@@ -233,9 +349,13 @@ CARRIED_FIELDS = frozenset(LLAMA_FIELDS) | {
 
 
 def llama_shaped_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[bool, str]]:
-    """For ``refuse_fields``: the switches (``SWITCHES``) ``config`` turns on, which neither Llama nor Qwen3
-    (``family``, named in each reason) can express. QK-norm and MLP biases are left to each family."""
-    return {name: (switch.on(config), switch.reason(config, family)) for name, switch in SWITCHES.items()}
+    """For ``refuse_fields``: the switches (``SWITCHES``) ``config`` turns on that ``family`` (Llama, Qwen3: named in
+    each reason) cannot express, every switch but those it carries. QK-norm and MLP biases are left to each family."""
+    return {
+        name: (switch.on(config), switch.reason(config, family))
+        for name, switch in SWITCHES.items()
+        if family not in switch.carried_by
+    }
 
 
 def mup_in_the_way(config: DecoderLabConfig, family: str) -> dict[str, tuple[bool, str]]:
@@ -287,9 +407,11 @@ def exported_config(
     fields: dict[str, str],
     family_in_the_way: dict[str, tuple[bool, str]],
     instead: str,
+    family_fields: dict | None = None,
 ) -> PreTrainedConfig:
-    """``target`` built from ``fields`` (ours -> theirs) of ``config``, or one ValueError listing every field
-    in the way: what ``llama_shaped_in_the_way`` lists, then what ``family_in_the_way`` adds for ``target``."""
+    """``target`` built from ``fields`` (ours -> theirs) of ``config`` and ``family_fields`` (the target's own fields
+    for the switches it carries), or one ValueError listing every field in the way: what ``llama_shaped_in_the_way``
+    lists, then what ``family_in_the_way`` adds for ``target``."""
     family = target.model_type.capitalize()  # Llama, Qwen3
     refuse_fields(
         {**llama_shaped_in_the_way(config, family), **family_in_the_way, **mup_in_the_way(config, family)},
@@ -303,7 +425,8 @@ def exported_config(
             f"hidden_dropout={config.hidden_dropout} has no {family} equivalent and is left out of the export; "
             "inference is unaffected, fine-tuning the export runs without that dropout."
         )
-    return target(**{theirs: copy.deepcopy(getattr(config, ours)) for ours, theirs in fields.items()})
+    values = {theirs: copy.deepcopy(getattr(config, ours)) for ours, theirs in fields.items()}
+    return target(**values, **(family_fields or {}))
 
 
 SHARE_INSTEAD = "Share this one as a decoderlab checkpoint instead (it loads anywhere with trust_remote_code=True)."
@@ -321,15 +444,29 @@ def llama_config_from_decoderlab(config: DecoderLabConfig) -> LlamaConfig:
     )
 
 
-# Qwen3Config has Llama's fields but mlp_bias (its MLP has none); its sliding window is off by default
-QWEN3_FIELDS = {ours: theirs for ours, theirs in LLAMA_FIELDS.items() if ours != "mlp_bias"}
+def qwen3_window_fields(config: DecoderLabConfig) -> dict:
+    """Qwen3Config's fields for ``config``'s sliding layers. transformers' Qwen3 reads ``layer_types`` and, on its
+    sliding layers, ``sliding_window``, which Qwen3Config keeps only with ``use_sliding_window=True``.
+    ``max_window_layers`` is the older way of saying the same (the layers from that index on slide): it is written as
+    the first sliding layer, so a layout of full layers then sliding ones reads the same either way. vLLM's own Qwen3
+    windows every layer or none, and refuses a mix unless max_window_layers equals the layer count (where it would
+    run every layer full): the first sliding layer keeps that refusal. With no sliding layer, no window at all, as
+    Qwen3Config itself writes a model without one."""
+    sliding = sliding_layers(config.layer_types)
+    return {
+        "layer_types": list(config.layer_types),
+        "use_sliding_window": bool(sliding),
+        "sliding_window": config.sliding_window if sliding else None,
+        "max_window_layers": sliding[0] if sliding else config.num_hidden_layers,
+    }
 
 
 def qwen3_config_from_decoderlab(config: DecoderLabConfig) -> Qwen3Config:
     """The Qwen3Config computing exactly what ``config`` computes, or one ValueError listing every field Qwen3
     cannot express. Qwen3 is Llama with QK-norm (an RMSNorm over each head's queries and keys, before RoPE,
-    with the model's norm_eps), always on, and no MLP biases: ``from_preset("llama", qk_norm=True, ...)``
-    models without MLP biases, the default recipe's among them, always export."""
+    with the model's norm_eps), always on, and no MLP biases, and it keeps sliding layers (``layer_types``,
+    ``sliding_window``: ``qwen3_window_fields``): ``from_preset("llama", qk_norm=True, ...)`` models without MLP
+    biases, the default recipe's among them, always export, sliding layers included."""
     return exported_config(
         config,
         Qwen3Config,
@@ -343,6 +480,7 @@ def qwen3_config_from_decoderlab(config: DecoderLabConfig) -> Qwen3Config:
         },
         "Only models built like DecoderLabConfig.from_preset('llama', qk_norm=True, ...) export to Qwen3. "
         + SHARE_INSTEAD,
+        qwen3_window_fields(config),
     )
 
 
@@ -402,15 +540,28 @@ class Conversion:
 
 LAYER = r"(?:h|layers)\.(\d+)"  # GPT-2 calls its blocks h.N, GPT-NeoX layers.N
 
-FROM = {
-    # identical names: decoderlab's Llama-shaped model uses Llama's
-    "llama": Conversion(
-        source_type="llama",
-        source_config=LlamaConfig,
+ROTARY_BUFFERS = r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq"  # what older Llama-shaped files saved
+
+
+def llama_shaped_source(
+    model_type: str, config_class: type[PreTrainedConfig], make_config: Callable[[PreTrainedConfig], DecoderLabConfig]
+) -> Conversion:
+    """A family with Llama's tensor names, which decoderlab's Llama-shaped model uses (and Qwen3's q_norm / k_norm for
+    QK-norm): every tensor keeps its name; the RoPE tables older files saved are skipped."""
+    return Conversion(
+        source_type=model_type,
+        source_config=config_class,
         target_model=DecoderLabForCausalLM,
-        make_config=decoderlab_config_from_llama,
-        skipped=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
-    ),
+        make_config=make_config,
+        skipped=ROTARY_BUFFERS,
+    )
+
+
+FROM = {
+    "llama": llama_shaped_source("llama", LlamaConfig, decoderlab_config_from_llama),
+    "qwen3": llama_shaped_source("qwen3", Qwen3Config, decoderlab_config_from_qwen3),
+    "mistral": llama_shaped_source("mistral", MistralConfig, decoderlab_config_from_mistral),
+    "smollm3": llama_shaped_source("smollm3", SmolLM3Config, decoderlab_config_from_smollm3),
     "gpt2": Conversion(
         source_type="gpt2",
         source_config=GPT2Config,
@@ -481,6 +632,7 @@ def read_source_config(folder: Path, conversion: Conversion, flag: str) -> PreTr
     found = config_json(folder).get("model_type")
     if found != conversion.source_type:
         hint = next((f" Use --from {name}." for name, c in FROM.items() if c.source_type == found), "")
+        hint = f" {REFUSED_SOURCES[found]}" if found in REFUSED_SOURCES else hint
         raise ValueError(
             f"{folder} holds a {found!r} checkpoint (config.json model_type), but {flag} expects "
             f"{conversion.source_type!r}.{hint}"
@@ -583,9 +735,16 @@ def convert(
 def convert_from(
     family: str, src: str | os.PathLike, dst: str | os.PathLike, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
 ) -> Path:
-    """A ``llama`` (LlamaForCausalLM), ``gpt2`` (GPT2LMHeadModel) or ``neox`` (GPTNeoXForCausalLM) checkpoint
-    in SRC (folder or Hub repo id) -> a decoderlab checkpoint in the new folder DST, loadable with
-    ``AutoModelForCausalLM.from_pretrained(DST)``. Returns DST."""
+    """A ``llama`` (LlamaForCausalLM), ``qwen3`` (Qwen3ForCausalLM), ``mistral`` (MistralForCausalLM), ``smollm3``
+    (SmolLM3ForCausalLM), ``gpt2`` (GPT2LMHeadModel) or ``neox`` (GPTNeoXForCausalLM) checkpoint in SRC (folder or Hub
+    repo id) -> a decoderlab checkpoint in the new folder DST, loadable with
+    ``AutoModelForCausalLM.from_pretrained(DST)`` and computing the same, sliding windows and RoPE-free layers
+    included. Returns DST.
+
+    Raises ValueError, before anything is written, for a family decoderlab cannot compute (``REFUSED_SOURCES``:
+    ``gpt_oss``) and for a setting of SRC's config that decoderlab has no switch for, each named."""
+    if family in REFUSED_SOURCES:
+        raise ValueError(REFUSED_SOURCES[family])
     if family not in FROM:
         raise ValueError(f"Unknown source family {family!r}; choose one of {', '.join(map(repr, FROM))}.")
     return convert(FROM[family], src, dst, f"--from {family}", max_shard_size)

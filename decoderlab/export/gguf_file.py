@@ -11,7 +11,13 @@ tokenizer included.
 What exports: every configuration ``--to qwen3`` (QK-norm) or ``--to llama`` (no QK-norm) accepts
 (``qwen3_config_from_decoderlab`` / ``llama_config_from_decoderlab`` refuse the rest, field by field), less what
 llama.cpp's graph or transformers' GGUF loader cannot read back from the file (``gguf_blockers``): a non-SiLU
-MLP, scaled RoPE, biases.
+MLP, scaled RoPE, biases, sliding layers.
+
+Per-layer layouts: neither llama.cpp's ``llama`` and ``qwen3`` graphs nor transformers' GGUF loader for those two
+architectures reads a sliding window, a per-layer RoPE switch or attention sinks from the file (llama.cpp keeps those
+for other architectures: Gemma's windows, SmolLM3's every fourth layer without RoPE, gpt-oss's sinks, each with its
+own blocks), so a file would compute another model: Llama and Qwen3 refuse RoPE-free layers and sinks already, and
+the sliding layers that ``--to qwen3`` keeps are refused here, each naming its layers.
 
 RoPE layout: decoderlab, like HF Llama and HF Qwen3, rotates the two halves of each head (``rotate_half``).
 llama.cpp's ``qwen3`` graph does too (its NEOX rope type), so those rows go as they are. Its ``llama`` graph
@@ -54,10 +60,12 @@ from .families import (
     fold,
     llama_config_from_decoderlab,
     make_skeleton,
+    name_layers,
     plan_tensors,
     qwen3_config_from_decoderlab,
     read_source_config,
     refuse_fields,
+    sliding_layers,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,7 +103,15 @@ def gguf_blockers(target: PreTrainedConfig) -> None:
     family, flag = target.model_type.capitalize(), f"--to {target.model_type}"
     rope_type = (target.rope_parameters or {}).get("rope_type", "default")
     no_biases = f"transformers' GGUF loader builds {family} without biases (False)"
+    sliding = sliding_layers(getattr(target, "layer_types", None) or [])  # Qwen3's; Llama has refused them already
     in_the_way = {
+        "layer_types": (
+            bool(sliding),
+            f"{name_layers(sliding)} {'is' if len(sliding) == 1 else 'are'} 'sliding_attention' (sliding_window="
+            f"{getattr(target, 'sliding_window', None)}), but llama.cpp's "
+            f"{target.model_type} graph and transformers' GGUF loader read no window for {target.model_type} files: "
+            "both would attend to every earlier token in every layer",
+        ),
         "hidden_act": (target.hidden_act != "silu", f"llama.cpp's {family} MLP gates with SiLU ('silu')"),
         "rope_parameters['rope_type']": (
             rope_type != "default",
