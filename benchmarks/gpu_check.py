@@ -66,7 +66,6 @@ from benchmarks.gpu_mfu import (
     VARIANTS,
     build_models,
     build_variant_models,
-    flops_per_token,
     goal_rows,
     positive_tflops,
     profile_table,
@@ -76,6 +75,7 @@ from benchmarks.reference_nanogpt import DEFAULT_DATA_PATH
 from decoderlab.generation import compiled_decoding_is_on, generate, set_compiled_decoding
 from decoderlab.model_card import METRICS_NAME, read_metrics
 from training.data import tiny_shakespeare
+from training.flops import flops_per_token
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -273,7 +273,7 @@ def training_throughput(setup: Setup, budget_s: float) -> list[Row]:
     by side)."""
     models = build_variant_models(setup.dry_run)
     batch, block, steps, warmup = (2, 32, 2, 1) if setup.dry_run else (16, 1024, 20, 5)
-    fpt = {name: flops_per_token(models[ours], block) for ours, ref in REFERENCE.items() for name in (ours, ref)}
+    fpt = {name: flops_per_token(models[ours].config, block) for ours, ref in REFERENCE.items() for name in (ours, ref)}
     rows, results, start = [], {}, time.perf_counter()
     for variant in VARIANTS:
         if time.perf_counter() - start > budget_s:

@@ -13,11 +13,12 @@ happens there): AdamW (fused), bfloat16 autocast over float32 weights, ``--batch
 memory of the timed steps (``torch.cuda.max_memory_allocated``) is reported beside each. Goals: each
 decoderlab preset >= 1.0x its reference's tokens/s, compiled and eager, MFU >= 40%, peak memory <= the reference's.
 
-MFU = achieved FLOP/s / peak. FLOPs per token = 6 N + 12 L T d (PaLM, appendix B; nanoGPT's estimate):
-N the parameters in matrix multiplies (every weight except the input embedding table), L layers, T the
-sequence length, d the hidden size; the attention term counts the full T x T scores, not the causal half.
-Peak: 989 TFLOP/s, NVIDIA's dense (no sparsity) BF16 Tensor Core figure for the H200 SXM (the same as
-the H100 SXM's); ``--peak_tflops`` for another GPU. The MFU goal, 40%, is set for an H200.
+MFU = achieved FLOP/s / peak. FLOPs per token: ``training.flops.flops_per_token``, the count the training loop logs,
+6 N + 12 L T d_attn (PaLM, appendix B; nanoGPT's estimate): N the weights of the linear layers (every matrix
+product's, lm_head's included), L layers, T the sequence length, d_attn the query heads' width; the attention term
+counts the full T x T scores, not the causal half (docs/concepts/compute.md). Peak: 989 TFLOP/s, NVIDIA's dense (no
+sparsity) BF16 Tensor Core figure for the H200 SXM (``training.flops.GPU_PEAKS``; the same as the H100 SXM's);
+``--peak_tflops`` for another GPU. The MFU goal, 40%, is set for an H200.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from benchmarks.reference_nanogpt import NanoGPT, NanoGPTConfig
 from benchmarks.training_memory import allocations
 from decoderlab import DecoderLabConfig, DecoderLabForCausalLM
 from decoderlab.export.families import llama_config_from_decoderlab
-from decoderlab.modeling_decoderlab import DecoderLabAbsolutePositionalEmbedding
+from training.flops import flops_per_token, gpu_peak
 
-H200_BF16_DENSE_TFLOPS = 989.0
+H200_BF16_DENSE_TFLOPS = gpu_peak("H200", "bf16") / 1e12
 # variant "model-mode": decoderlab's llama preset ("decoderlab") beside "llama", its gpt2 preset ("decoderlab_gpt2")
 # beside "nanogpt"
 VARIANTS = [f"{name}-{mode}" for mode in ("compiled", "eager") for name in ("decoderlab_gpt2", "nanogpt", "decoderlab",
@@ -89,19 +90,6 @@ def build_variant_models(dry_run: bool) -> dict[str, torch.nn.Module]:
     ours, llama = build_models(dry_run)
     gpt2, nanogpt = build_gpt2_pair(dry_run)
     return {"decoderlab": ours, "llama": llama, "decoderlab_gpt2": gpt2, "nanogpt": nanogpt}
-
-
-def flops_per_token(model: torch.nn.Module, block_size: int) -> float:
-    """6 N + 12 L T d of a decoderlab model, N without the token and the learned position tables (the token table
-    counted once when it is also the tied output projection), as nanoGPT's estimate_mfu counts."""
-    config = model.config
-    embedding = model.get_input_embeddings().weight
-    positions = {id(p) for m in model.modules() if isinstance(m, DecoderLabAbsolutePositionalEmbedding)
-                 for p in m.parameters()}  # fmt: skip
-    matmul_params = sum(p.numel() for p in model.parameters() if p is not embedding and id(p) not in positions)
-    if config.tie_word_embeddings:  # the tied table is also the output projection
-        matmul_params += embedding.numel()
-    return 6 * matmul_params + 12 * config.num_hidden_layers * block_size * config.hidden_size
 
 
 def training_loss(model, batch: torch.Tensor) -> torch.Tensor:
@@ -240,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
 
     models = build_variant_models(args.dry_run)
     fpt = {
-        name: flops_per_token(models[ours], args.block_size) for ours, ref in REFERENCE.items() for name in (ours, ref)
+        name: flops_per_token(models[ours].config, args.block_size)
+        for ours, ref in REFERENCE.items()
+        for name in (ours, ref)
     }
     for ours, reference in REFERENCE.items():
         print(f"{ours} / {reference}: {sum(p.numel() for p in models[ours].parameters()) / 1e6:.1f}M parameters, "

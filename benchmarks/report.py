@@ -324,6 +324,16 @@ def eval_batch_rows(report: dict) -> list[Line]:
     return markdown_table(["evaluation batch size", "tokens/s"], "lr", rows)
 
 
+def matmul_peak_rows(report: dict) -> list[Line]:
+    """The CPU's matrix-product rate by size and dtype (``benchmarks.matmul_peak``); the sizes a training run takes its
+    peak from are marked."""
+    sizes, measured = report["sizes"], set(report["measured_sizes"])
+    rows = [([dtype, *(number(rates[str(size)]) for size in sizes)], "matmul_peak.json")
+            for dtype, rates in report["gflops_per_s"].items()]  # fmt: skip
+    header = ["dtype", *(f"{size}² GFLOP/s" + (" (a run's)" if size in measured else "") for size in sizes)]
+    return markdown_table(header, "l" + "r" * len(sizes), rows)
+
+
 def char_packing_rows(report: dict) -> list[Line]:
     cells = [f"{report['characters']:,}", number(report["tokenizer_ms"]), number(report["char_encoder_ms"]),
              f"{report['ratio']:.0f}×"]  # fmt: skip
@@ -653,6 +663,7 @@ TABLES = [
     Table("training-memory", ("training_memory.json",), "gpu-training-2026-12-04.md", training_memory_rows),
     Table("compiled-step", ("compiled_step.json",), "gpu-training-2026-12-04.md", compiled_step_rows),
     Table("char-packing", ("char_packing.json",), "char-packing.md", char_packing_rows),
+    Table("matmul-peak", ("matmul_peak.json",), "flops-and-health.md", matmul_peak_rows),
     Table("explore", ("explore_speed.json",), "explorer-speed.md", explore_rows),
     Table("sampler-curves", SAMPLER_CURVES, "window-sampling.md", sampler_curves_rows),
     Table("sampler-demo", SAMPLER_DEMO, "window-sampling.md", sampler_demo_rows),

@@ -84,7 +84,10 @@ SWITCH_MEANINGS = {
 # training-summary keys the scripts pass, with their labels in the recipe table; other keys are shown as written
 RECIPE_LABELS = {
     "steps": "Optimizer steps",
+    "steps_from_budget": "Steps from the budget",
     "tokens": "Tokens seen",
+    "flops": "Training compute (FLOPs)",
+    "flops_per_token": "FLOPs per token (6N + attention, forward and backward)",
     "batch_size": "Batch size (sequences)",
     "block_size": "Block size (tokens)",
     "learning_rate": "Peak learning rate",

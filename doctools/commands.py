@@ -183,6 +183,8 @@ def capture_parser(module_name: str) -> argparse.ArgumentParser:
 
 # appended to a training command so a page's walkthrough runs in seconds; later flags win over earlier ones
 SHORT_TRAINING = ("--max_train_steps", "6", "--eval_steps", "3", "--checkpointing_steps", "3")
+# a run sized by its budget is shortened without it (the pre-flight check refuses a budget beside --max_train_steps)
+BUDGET_FLAGS = ("--target_flops", "--tokens_per_parameter")
 # (training.mup_tune passes what follows its "--" to each of its pretraining runs: the documented command has one)
 TRAINING_SCRIPTS = ("training.pretrain", "training.finetune", "training.mup_tune")
 OUTPUT_FLAGS = ("--output_dir", "--save", "--json_out")
@@ -221,6 +223,16 @@ def offline_reason(command: Command, parsed, workdir: pathlib.Path) -> str | Non
 
 
 def runnable_argv(command: Command, python: str) -> list[str]:
-    """The command as a subprocess runs it: ``python -m MODULE ARGS``, a training run shortened."""
-    short = SHORT_TRAINING if command.module in TRAINING_SCRIPTS else ()
-    return [python, "-m", command.module, *command.argv, *short]
+    """The command as a subprocess runs it: ``python -m MODULE ARGS``, a training run shortened (a run sized by a
+    budget, ``BUDGET_FLAGS``, without its budget: it then trains the short run's steps)."""
+    if command.module not in TRAINING_SCRIPTS:
+        return [python, "-m", command.module, *command.argv]
+    argv, skip = [], False
+    for word in command.argv:
+        if not skip and word.split("=")[0] in BUDGET_FLAGS:
+            skip = "=" not in word  # its value is the next word
+            continue
+        if not skip:
+            argv.append(word)
+        skip = False
+    return [python, "-m", command.module, *argv, *SHORT_TRAINING]

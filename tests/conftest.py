@@ -15,6 +15,7 @@ Fixtures here are generic on purpose (several test files use them); do not renam
 - ``all_block_variants``: the same block layouts as one dict, for a test that covers them all in one go.
 - ``position_and_block``: each position type paired with one block layout (four cases, every value of both), for
   tests too slow for the whole product (graph exports).
+- ``fresh_accelerate_state``: Accelerate's process-wide state reset before and after a test.
 - ``free_port()`` (a function, imported by the tests that start servers): a free TCP port on 127.0.0.1.
 - ``left_padding(batch, length)`` (a function): an attention mask whose row b starts with 3*b padding positions.
 """
@@ -80,6 +81,19 @@ def _few_threads():
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, previous))
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state whose mixed precision cannot change: each test that uses it builds its
+    own Accelerator from scratch."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 @pytest.fixture

@@ -322,6 +322,23 @@ def test_rms_norm_times_the_training_path_against_llamas_module_and_layer_norm(t
         assert row["llama_over_ours"] == pytest.approx(row["LlamaRMSNorm_us"] / row["RMSNormFunction_us"], rel=1e-2)
 
 
+@pytest.mark.cpu_features  # bf16 rates where the CPU has its instructions
+def test_matmul_peak_times_every_size_in_float32_and_the_cpus_bfloat16(tmp_path):
+    """``python -m benchmarks.matmul_peak``: the CPU named, a positive rate at every size for float32 and, where the
+    CPU computes bfloat16 in hardware, for bfloat16 (and only there), with the sizes a training run takes its peak
+    from."""
+    from training.hardware import cpu_has_bf16
+
+    out = tmp_path / "matmul_peak.json"
+    stdout = run_module("benchmarks.matmul_peak", "--repeats", "1", "--threads", "1", "--json_out", str(out))
+    assert stdout.startswith("CPU: ")
+    result = json.loads(out.read_text())
+    assert set(result["gflops_per_s"]) == ({"float32", "bfloat16"} if cpu_has_bf16() else {"float32"})
+    for rates in result["gflops_per_s"].values():
+        assert set(rates) == {str(size) for size in result["sizes"]} and min(rates.values()) > 0
+    assert set(result["measured_sizes"]) <= set(result["sizes"])
+
+
 def test_nanogpt_gap_steps_compute_what_the_models_they_take_apart_compute():
     """benchmarks.investigations.nanogpt_gap: nanoGPT with q, k, v as three layers gives nanoGPT's logits and
     gradients, and decoderlab's modules called in sequence give ``model(input_ids=x, labels=y).loss`` (else the gap

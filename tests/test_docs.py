@@ -18,7 +18,14 @@ import textwrap
 import pytest
 
 from doctools import DOCS_DIR, REPO_ROOT, doc_pages
-from doctools.commands import CommandError, offline_reason, parse_with_script, project_command, runnable_argv
+from doctools.commands import (
+    SHORT_TRAINING,
+    CommandError,
+    offline_reason,
+    parse_with_script,
+    project_command,
+    runnable_argv,
+)
 from doctools.generate import (
     GenerateError,
     config_fields,
@@ -189,7 +196,8 @@ def test_offline_commands_run(tmp_path):
 
 def test_offline_commands_are_told_from_the_others(tmp_path):
     """The rule that picks the commands the slow test runs: a launcher, a benchmark, a server, the Hub and a
-    missing Hub-like path are each named as the reason; a local training command runs, shortened."""
+    missing Hub-like path are each named as the reason; a local training command runs, shortened (a run sized by a
+    budget without it)."""
     (tmp_path / "out" / "ckpt").mkdir(parents=True)
     cases = {
         "accelerate launch training/finetune.py --config training/configs/finetune_shakespeare_chat.yaml": "accelerate",
@@ -210,6 +218,9 @@ def test_offline_commands_are_told_from_the_others(tmp_path):
         assert "is not here" in offline_reason(pretrain, parse_with_script(pretrain), tmp_path)  # the Hub dataset
     assert runnable_argv(pretrain, "python")[-6:] == ["--max_train_steps", "6", "--eval_steps", "3",
                                                       "--checkpointing_steps", "3"]  # fmt: skip
+    budget = project_command("python training/pretrain.py --max_train_steps none --target_flops 1e15 --seed 3 "
+                             "--tokens_per_parameter=20")  # fmt: skip
+    assert runnable_argv(budget, "python")[3:] == ["--max_train_steps", "none", "--seed", "3", *SHORT_TRAINING]
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,15 @@ CASES = [
      "--mixed_precision bf16 is not supported with it"),
     ("bf16_hardware", TrainConfig, {"mixed_precision": "bf16"}, {}, False,
      "--mixed_precision bf16 on a CPU without bfloat16 instructions"),
+    ("budget", TrainConfig, {"target_flops": 1e15}, {}, True, r"--target_flops 1e\+15 sets the number of steps from "
+     "the budget, but max_train_steps=2000 sets it too .*: pass --max_train_steps none"),
+    ("budget", TrainConfig, {"tokens_per_parameter": 20.0, "max_train_steps": 500}, {}, True,
+     "--tokens_per_parameter 20 sets the number of steps from the budget, but max_train_steps=500 sets it too"),
+    ("budget", TrainConfig, {"target_flops": 1e15, "tokens_per_parameter": 20.0, "max_train_steps": None}, {}, True,
+     r"target_flops=1e\+15 and tokens_per_parameter=20 each set the number of steps: keep one of them"),
+    ("budget", TrainConfig, {"target_flops": 1e3, "max_train_steps": None}, {}, True,
+     r"target_flops=1000 is less than one optimizer step, at least .* FLOPs \(at least .* FLOPs per token x 768 "
+     r"tokens per step; the vocabulary, read with the data, not counted yet\): raise --target_flops above that"),
     ("schedule", TrainConfig, {"lr_scheduler_type": "linear"}, {}, True,
      r"lr_scheduler_kwargs=\{'min_lr_rate': 0.1\} do not fit lr_scheduler_type='linear'"),
     ("schedule", TrainConfig, {"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs":

@@ -132,6 +132,13 @@ def test_unknown_flag_and_unknown_model_field():
         (["--push_to_hub"], "push_to_hub=True needs --hub_model_id"),
         (["--tokenizer_type", "pretrained"], "tokenizer_type='pretrained' needs --tokenizer_name"),
         (["--streaming", "--max_train_steps", "none"], "streaming=True needs --max_train_steps"),
+        (["--target_flops", "0"], "target_flops must be positive, a number of FLOPs, e.g. 1e15; got 0.0"),
+        (["--tokens_per_parameter", "-20"], r"tokens_per_parameter must be positive, tokens per parameter, e.g. 20 "
+                                            r"\(Chinchilla's\); got -20.0"),
+        (["--loss_spike_margin", "0"], "loss_spike_margin must be positive, a fraction of the running mean loss, "
+                                       "e.g. 0.2; got 0.0"),
+        (["--target_flops", "1e15"], "--target_flops 1e\\+15 sets the number of steps from the budget, but "
+                                     "max_train_steps=2000 sets it too"),
         (["--train_file", "data.xml"], r"train_file='data.xml' must end in one of .txt"),
         (["--dataset_name", "none"], "No data: pass --dataset_name"),
         (["--model.hidden_size", "100", "--model.num_attention_heads", "3"], "hidden_size=100 is not divisible"),

@@ -30,6 +30,7 @@ from tests.training_runs import (
     subprocess_env,
     text_files_in,
     train_losses,
+    train_rows,
 )
 from training import checkpointing, loop, preflight, pretrain
 from training.args import TrainConfig, parse_config
@@ -440,6 +441,11 @@ def test_muon_run_accumulates_resumes_exactly_and_records_its_groups(tmp_path, t
     for step in continued:
         assert continued[step] == pytest.approx(expected[step], abs=1e-6), step
     assert final_eval_loss(resumed) == pytest.approx(final_eval_loss(reference), abs=1e-6)
+    # the health figures go on across the resume: the spike count and its running mean are in the checkpoint
+    for step, row in train_rows(resumed).items():
+        for key in ("loss_spikes", "flops", "tokens"):
+            assert row[key] == train_rows(reference)[step][key], (step, key)
+        assert row["grad_norm"] == pytest.approx(train_rows(reference)[step]["grad_norm"], rel=1e-4), step
 
     groups = {g["name"]: g for g in json.loads((reference / "run_info.json").read_text())["optimizer_groups"]}
     assert list(groups) == ["matrices", "other", "muon_matrices"]  # the untied head is AdamW's, with decay
@@ -452,6 +458,56 @@ def test_muon_run_accumulates_resumes_exactly_and_records_its_groups(tmp_path, t
     assert resolved.optimizer == "muon" and resolved.muon_learning_rate == 0.02
     assert recorded.startswith("# Optimizer groups of this run (training/optim.py's rules; a record, not a setting):\n")
     assert "\n#   muon_matrices: Muon, lr 0.02, wd 0, " in recorded and " parameters in 14 tensors\n" in recorded
+
+
+def test_every_row_carries_the_runs_health_and_cost_to_the_trackers(tmp_path, text_files):
+    """A short run through pretrain.py with --with_tracking: every training row of metrics.jsonl (those of logging
+    steps, of an unaligned checkpoint and of the last step) carries the gradient norm, the FLOPs so far (FLOPs per
+    token x the tokens), the MFU, the spike count and each optimizer group's update ratio; TensorBoard's event file,
+    which Accelerate's tracker writes, holds every one of them at the same steps; run_info.json and the card record
+    the FLOPs."""
+    out = tmp_path / "run"
+    pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "8", "--logging_steps", "3", "--checkpointing_steps",
+                            "4", "--eval_steps", "none", "--with_tracking", "--report_to", "tensorboard"))  # fmt: skip
+    rows = list(train_rows(out).values())
+    assert [r["step"] for r in rows] == [3, 4, 6, 8]
+    info = json.loads((out / "run_info.json").read_text())
+    fpt = info["compute"]["flops_per_token"]
+    health = ["grad_norm", "flops", "mfu", "loss_spikes", "update_rms/matrices", "update_rms/other"]
+    for row in rows:
+        assert all(key in row for key in health), row
+        assert row["grad_norm"] > 0 and 0 < row["mfu"] < 1 and row["loss_spikes"] >= 0, row
+        assert row["flops"] == fpt * row["tokens"] and 0 < row["update_rms/matrices"] < 1, row
+    assert info["compute"]["flops"] == fpt * rows[-1]["tokens"] and info["compute"]["peak_flops"] > 0
+    assert "| Training compute (FLOPs) |" in (out / "README.md").read_text()
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "decoderlab"))
+    events.Reload()
+    for key in health:
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        assert logged == pytest.approx({r["step"]: r[key] for r in rows}, rel=1e-6), key
+
+
+def test_a_run_sized_by_its_budget_records_where_its_steps_came_from(tmp_path, text_files):
+    """--tokens_per_parameter with --max_train_steps none: the run trains the steps that see that many tokens per
+    parameter (all parameters, rounded up to whole steps), and training_config.yaml (in a comment: the file still
+    reads back as the settings that ran), run_info.json and the model card say the steps came from the budget."""
+    out = tmp_path / "run"
+    pretrain.main(tiny_argv(text_files, out, "--max_train_steps", "none", "--tokens_per_parameter", "0.02",
+                            "--eval_steps", "none"))  # fmt: skip
+    budget = json.loads((out / "run_info.json").read_text())["budget"]
+    parameters = AutoModelForCausalLM.from_pretrained(out).num_parameters()
+    assert budget["parameters"] == parameters and budget["tokens_per_step"] == 4 * 16
+    assert budget["max_train_steps"] == math.ceil(0.02 * parameters / (4 * 16))
+    assert max(r["step"] for r in metrics(out)) == budget["max_train_steps"]
+    recorded = (out / "training_config.yaml").read_text()
+    assert f"#   {budget['max_train_steps']} steps = tokens_per_parameter 0.02 x {parameters:,} parameters" in recorded
+    assert TrainConfig(**yaml.safe_load(recorded)).max_train_steps is None
+    assert f"| Steps from the budget | {budget['max_train_steps']} steps = tokens_per_parameter" in (
+        out / "README.md"
+    ).read_text()
 
 
 @pytest.mark.slow
@@ -527,6 +583,10 @@ def test_fsdp_shards_follows_one_process_resumes_exactly_and_writes_the_same_fol
       tolerance 1e-4 on losses of 3-4, as for DDP. Processes without gradient exchange drift by about 1e-2.
     - Resumes exactly: the resumed run logs the uninterrupted run's losses to 1e-6 (same shards, same RNG, same
       data position).
+    - The whole model's health: each row's gradient norm (the shards' norms combined) and each group's update ratio
+      (the shards' squares summed over processes) are one process's: to 1e-5 with AdamW (3e-7 measured); with Muon,
+      whose bfloat16 products round apart on shards (below), to 1e-3 on the norm and 1e-2 on the ratios (3e-4 and
+      1.8e-3 measured).
     - The same folder: the files a one-process run writes, config, generation config and tokenizer byte for byte,
       the weights within 1e-5, and from_pretrained loads it."""
     steps = ["--max_train_steps", "20", "--checkpointing_steps", "10", "--eval_steps", "10", "--optimizer", optimizer]
@@ -561,6 +621,14 @@ def test_fsdp_shards_follows_one_process_resumes_exactly_and_writes_the_same_fol
     for step in continued:
         assert continued[step] == pytest.approx(got[step], abs=1e-6), step
     assert final_eval_loss(resumed) == pytest.approx(final_eval_loss(sharded), abs=1e-6)
+    one, two = train_rows(single), train_rows(sharded)
+    norm_rel, ratio_rel = (1e-5, 1e-5) if optimizer == "adamw" else (1e-3, 1e-2)
+    for step, row in one.items():
+        assert two[step]["grad_norm"] == pytest.approx(row["grad_norm"], rel=norm_rel), step
+        ratios = {key: value for key, value in row.items() if key.startswith("update_rms/")}
+        assert ratios and set(ratios) == {key for key in two[step] if key.startswith("update_rms/")}, step
+        for key, value in ratios.items():
+            assert two[step][key] == pytest.approx(value, rel=ratio_rel), (step, key)
 
     final_files = lambda folder: sorted(p.name for p in folder.iterdir() if p.is_file())  # noqa: E731
     assert final_files(sharded) == final_files(single)

@@ -16,6 +16,8 @@ from training.args import TrainConfig
 from training.data import BlockBatches
 from training.loop import make_accelerator, outputs_in_compute_dtype, train
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
 LOOP_FILE = "training/loop.py"
 # Reading a tensor's value on the host: on CUDA each waits for the device to finish what was queued
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
@@ -70,12 +72,14 @@ def recorded_syncs():
             setattr(torch.Tensor, name, original)
 
 
-def run_steps(tmp_path, steps: int, mixed_precision: str = "no", model=None) -> tuple[list[str], object]:
+def run_steps(tmp_path, steps: int, mixed_precision: str = "no", model=None, logging_steps: int = 1000
+              ) -> tuple[list[str], object]:  # fmt: skip
     torch.manual_seed(0)
     model = model if model is not None else tiny()
     blocks = torch.randint(0, 64, (64, 16))
-    cfg = TrainConfig(dataset_name="unused", output_dir=str(tmp_path / f"run{steps}"), max_train_steps=steps,
-                      per_device_train_batch_size=4, gradient_accumulation_steps=2, logging_steps=1000,
+    cfg = TrainConfig(dataset_name="unused", output_dir=str(tmp_path / f"run{steps}-{logging_steps}"),
+                      max_train_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      logging_steps=logging_steps,
                       eval_steps=None, checkpointing_steps=None, per_device_eval_batch_size=8,
                       mixed_precision=mixed_precision, learning_rate=1e-3, num_warmup_steps=0)  # fmt: skip
     # bf16 in software where the CPU has no bf16 instructions: slower, the same dtypes (what these tests check)
@@ -94,6 +98,20 @@ def test_a_training_step_does_not_wait_for_the_device(tmp_path):
     six, result = run_steps(tmp_path, 6)
     assert result.state.step == 6
     assert sorted(six) == sorted(two), f"per-step synchronisation: 2 steps {sorted(two)}, 6 steps {sorted(six)}"
+
+
+def test_the_loop_reads_the_device_once_per_row_whatever_it_logs(tmp_path):
+    """The rows' gradient norm, update ratios, spike count, FLOPs and MFU add no wait per step: the host reads and
+    blocking copies of a run depend on how many rows it logs, not on its steps (6 steps logged every 2 make exactly
+    those of 12 steps logged every 4), and each row costs the same (12 steps logged every 2, 6 rows, make those of
+    one row plus 5 times a row's; one row costs at least one read)."""
+    reads = {(steps, every): run_steps(tmp_path, steps, logging_steps=every) for steps, every in
+             ((6, 2), (12, 4), (12, 12), (12, 2))}  # fmt: skip
+    assert all(key in reads[12, 2][1].history[0] for key in ("grad_norm", "update_rms/matrices", "mfu", "flops"))
+    count = {key: len(events) for key, (events, _) in reads.items()}
+    assert sorted(reads[6, 2][0]) == sorted(reads[12, 4][0]), "the reads depend on the steps, not the rows"
+    per_row = (count[12, 4] - count[12, 12]) / 2
+    assert per_row >= 1 and count[12, 2] == count[12, 12] + 5 * per_row, count
 
 
 def test_the_loop_keeps_the_loss_the_mean_over_every_target(tmp_path):
@@ -188,18 +206,6 @@ def test_no_graph_break_in_the_training_forward_and_loss(preset):
     assert ids.numel() * 50304 >= kernels_decoderlab.LEAN_LOSS_MIN_LOGITS
     explanation = torch._dynamo.explain(lambda x: model(input_ids=x, labels=x, use_cache=False).loss)(ids)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps one process-wide state whose mixed precision cannot change: each test builds its own."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def test_training_memory_benchmark_measures_saved_and_peak_bytes():

@@ -64,6 +64,11 @@ def train_losses(output_dir) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in metrics(output_dir) if "train_loss" in r}
 
 
+def train_rows(output_dir) -> dict[int, dict]:
+    """The training rows of a run's metrics.jsonl (not its evaluations), by step."""
+    return {r["step"]: r for r in metrics(output_dir) if "train_loss" in r}
+
+
 def final_eval_loss(output_dir) -> float:
     return [r["eval_loss"] for r in metrics(output_dir) if "eval_loss" in r][-1]
 

@@ -19,6 +19,7 @@ import argparse
 import codecs
 import dataclasses
 import difflib
+import math
 import pathlib
 import types
 import typing
@@ -172,6 +173,16 @@ class TrainConfig(Config):
     num_warmup_steps: int = option(100, "linear warm-up steps")
     max_train_steps: int | None = option(2000, "optimizer steps; none means num_train_epochs epochs")
     num_train_epochs: int = option(1, "epochs when max_train_steps is none")
+    target_flops: float | None = option(
+        None,
+        "size the run by compute: as many optimizer steps as fit in this many FLOPs (6N + attention per token, "
+        "docs/concepts/compute.md), rounded down; with --max_train_steps none",
+    )
+    tokens_per_parameter: float | None = option(
+        None,
+        "size the run by data: train on this many tokens per parameter (all of them; Chinchilla's compute-optimal "
+        "ratio is about 20), rounded up to whole steps; with --max_train_steps none",
+    )
     mixed_precision: MIXED_PRECISION = option("no", "autocast dtype: no, bf16 (GPUs and recent CPUs) or fp16 (GPUs)")
     torch_compile: bool = option(False, "compile the model with torch.compile")
     torch_compile_backend: str | None = option(
@@ -186,6 +197,11 @@ class TrainConfig(Config):
     eval_steps: int | None = option(500, "evaluate every N steps (and at the end); none: only at the end")
     max_eval_samples: int | None = option(None, "blocks used by the periodic evaluations; the final one uses all")
     logging_steps: int = option(50, "log the mean training loss every N steps")
+    loss_spike_margin: float = option(
+        0.2,
+        "the logged loss_spikes count steps whose loss is above the running mean of the step losses (about the last "
+        "50) by more than this fraction of it",
+    )
     # --- the best model (transformers' TrainingArguments and EarlyStoppingCallback names)
     load_best_model_at_end: bool = option(
         False, "save the weights of the best periodic evaluation (metric_for_best_model) instead of the last step's"
@@ -238,6 +254,12 @@ class TrainConfig(Config):
         for name in ("learning_rate", "embedding_learning_rate", "adam_epsilon"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        for name, what in (("target_flops", "a number of FLOPs, e.g. 1e15"),
+                           ("tokens_per_parameter", "tokens per parameter, e.g. 20 (Chinchilla's)"),
+                           ("loss_spike_margin", "a fraction of the running mean loss, e.g. 0.2")):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive, {what}; got {value}.")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, or none to disable clipping, got {self.max_grad_norm}.")
         if self.weight_decay < 0 or self.num_warmup_steps < 0:

@@ -72,6 +72,9 @@ class TrainState:
     best_metric: float | None = None
     best_global_step: int | None = None
     early_stopping_patience_counter: int = 0
+    # the steps whose loss spiked so far, and the running mean of the step losses they are judged by (training.health)
+    loss_spikes: int = 0
+    loss_mean: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes:
     state = result.state
     return {
         "steps": state.step,
+        **({"steps_from_budget": result.budget.text()} if result.budget is not None else {}),
         "tokens": state.tokens,
+        **compute_facts(result.compute),
         "batch_size": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * num_processes,
         "block_size": cfg.block_size,
         "learning_rate": cfg.learning_rate,
@@ -43,6 +45,13 @@ def summary(cfg: TrainConfig, result: TrainResult, hardware: str, num_processes:
         "tokenizer": cfg.tokenizer_type if cfg.tokenizer_type != "pretrained" else cfg.tokenizer_name,
         "prompt": cfg.sample_prompt,
     }
+
+
+def compute_facts(compute: dict) -> dict:
+    """The FLOPs the run trained with and its FLOPs per token (``training.flops``), for the card."""
+    if "flops" not in compute:
+        return {}
+    return {"flops": float(compute["flops"]), "flops_per_token": compute["flops_per_token"]}
 
 
 def best_model_facts(cfg: TrainConfig, state) -> dict:
@@ -101,6 +110,8 @@ def finish_run(
         if accelerator.is_main_process:
             limit = "" if cfg.max_train_steps is None else f" (max_train_steps={cfg.max_train_steps})"
             raise_what = "--max_train_steps"
+            if result.budget is not None:
+                limit, raise_what = f" ({result.budget.text()})", f"--{result.budget.source}"
             if stopped_early(cfg.early_stopping_patience, result.state):
                 limit = f" (stopped early: early_stopping_patience={cfg.early_stopping_patience})"
                 raise_what = "--early_stopping_patience"
@@ -110,8 +121,13 @@ def finish_run(
             )
         return
     model = result.model if final_model is None else final_model(result.model)
-    info = {**run_info(accelerator), **best_model_facts(cfg, result.state), "optimizer_groups": result.optimizer_groups}
+    info = {**run_info(accelerator), **best_model_facts(cfg, result.state), "optimizer_groups": result.optimizer_groups,
+            "compute": result.compute}  # fmt: skip
     comment = groups_comment(result.optimizer_groups) if result.optimizer_groups else ""
+    if result.budget is not None:
+        info["budget"] = result.budget.record()
+        comment += "# max_train_steps from the budget (training/flops.py; a record, not a setting):\n"
+        comment += f"#   {result.budget.text()}\n"
     save_final_folder(accelerator, model, tokenizer, cfg.output_dir, cfg.to_dict(), info, config_comment=comment)
     accelerator.end_training()
     if not accelerator.is_main_process:

@@ -7,9 +7,11 @@ a crash-safe checkpoint every ``cfg.checkpointing_steps`` and at the end, and re
 (still wrapped) model with a summary. It stops with ``NonFiniteLossError`` on a NaN or infinite loss
 before any checkpoint could store the damage.
 
-Per-step costs are kept to what a step needs: the loss stays a tensor between logging steps (no
-``.item()`` synchronisation per step), batches are slices of an in-memory tensor, and the periodic
-evaluations can be limited to ``cfg.max_eval_samples`` blocks.
+Per-step costs are kept to what a step needs: the loss, the gradient norm and the run's other health figures stay
+on the device between logging steps (``training.health``: no ``.item()`` synchronisation per step), batches are
+slices of an in-memory tensor, and the periodic evaluations can be limited to ``cfg.max_eval_samples`` blocks. Each
+training row also carries the FLOPs so far and the MFU (``training.flops``); a run sized by ``cfg.target_flops`` or
+``cfg.tokens_per_parameter`` takes its number of steps from them.
 """
 
 import contextlib
@@ -45,8 +47,10 @@ from .checkpointing import (
     save_checkpoint,
 )
 from .data import Prefetched, count_targets, real_tokens
+from .flops import Budget, flops_per_token, peak_flops, run_budget
 from .hardware import SHARDING_ENGINES, requested_sharding, runs_on_cpu
-from .optim import make_optimizer, make_scheduler, recorded_groups
+from .health import RunHealth
+from .optim import decoder_of, make_optimizer, make_scheduler, recorded_groups
 from .preemption import StopControl
 from .sharding import is_sharded, shard_model, step_only_when_synced
 
@@ -271,6 +275,8 @@ class TrainResult:
     already_finished: bool = False  # resumed from a checkpoint at or past max_train_steps: nothing was run
     history: list[dict] = field(default_factory=list)  # every record of metrics.jsonl, the resumed run's before
     optimizer_groups: list[dict] = field(default_factory=list)  # training.optim.recorded_groups: the run's record
+    budget: Budget | None = None  # the steps --target_flops or --tokens_per_parameter gave (None: max_train_steps)
+    compute: dict = field(default_factory=dict)  # FLOPs per token, the FLOPs trained, the peak MFU is measured against
 
 
 def train(
@@ -304,11 +310,21 @@ def train(
     that already reached ``max_train_steps``, it returns at once with ``already_finished`` set, having
     touched nothing (a finished run started again is left exactly as it was).
     """
-    max_steps = num_training_steps(cfg, batches)
+    decoder_config = decoder_of(model).config
+    budget = run_budget(cfg, decoder_config, accelerator.num_processes)
+    max_steps = budget.steps if budget is not None else num_training_steps(cfg, batches)
     if resume_from is not None and (done := read_state(resume_from)).step >= max_steps:
-        return TrainResult(model, done, train_loss=None, already_finished=True)
+        return TrainResult(model, done, train_loss=None, already_finished=True, budget=budget)
     if resume_from is not None and stopped_early(cfg.early_stopping_patience, done):  # finished too: left as it was
-        return TrainResult(model, done, train_loss=None, already_finished=True)
+        return TrainResult(model, done, train_loss=None, already_finished=True, budget=budget)
+    fpt = flops_per_token(decoder_config, cfg.block_size)
+    # the peak FLOP/s of every process together, found before anything else runs (training.flops: measured on a CPU)
+    peak = peak_flops(accelerator.device, cfg.mixed_precision)
+    peak_total = peak.flops if peak.flops is not None else math.nan
+    if accelerator.num_processes > 1:
+        peak_total = accelerator.reduce(torch.tensor(peak_total, device=accelerator.device), reduction="sum").item()
+    compute = {"flops_per_token": fpt, "peak_flops": peak_total if math.isfinite(peak_total) else None,
+               "peak": f"{peak.source}, x {accelerator.num_processes} process(es)"}  # fmt: skip
     if cfg.fsdp:  # torch's FSDP2 (training/sharding.py): the optimizer is made over the sharded parameters
         model = shard_model(model, accelerator)
     optimizer = make_optimizer(model, cfg)
@@ -323,7 +339,8 @@ def train(
     accelerator.register_for_checkpointing(scheduler)
 
     if cfg.with_tracking:
-        accelerator.init_trackers(cfg.project_name, config=tracker_config(cfg.to_dict()))
+        recorded = cfg.to_dict() | ({"budget": budget.record()} if budget is not None else {})
+        accelerator.init_trackers(cfg.project_name, config=tracker_config(recorded))
     sharded = (model, optimizer) if cfg.fsdp else None  # saved and restored by every process, apart from Accelerate
     state = load_checkpoint(accelerator, resume_from, sharded=sharded) if resume_from is not None else TrainState()
     metrics = MetricsLog(cfg.output_dir, accelerator, cfg.with_tracking, resume_step=state.step)
@@ -339,6 +356,14 @@ def train(
     pin_memory = cfg.dataloader_pin_memory and accelerator.device.type == "cuda"
     micro_batches = Prefetched(batches.iterate(start=consumed()), cfg.prefetch_batches, pin_memory)
     parameters = list(model.parameters())  # for clipping: listed once, not walked through the modules every step
+    sharded_weights = is_sharded(model) or accelerator.distributed_type == DistributedType.FSDP
+    health = RunHealth(optimizer, accelerator, state, cfg.logging_steps, cfg.loss_spike_margin, sharded_weights)
+    # A training row comes after each logging step, each checkpoint and the last step (and, unplanned, after a stop
+    # signal's or the clock's checkpoint); the step before a planned row keeps the weights its update is measured by
+    log_due_at = lambda step: step % cfg.logging_steps == 0 or step == max_steps
+    checkpoint_due_at = lambda step: cfg.checkpointing_steps is not None and (
+        step % cfg.checkpointing_steps == 0 or step == max_steps
+    )
     # the reading thread stops however the loop ends; stop signals and the clock ask for checkpoints (preemption.py);
     # the loop uses losses only: no float32 copy of the logits
     control = StopControl(cfg.stop_signals, cfg.checkpointing_minutes, accelerator.num_processes)
@@ -352,14 +377,13 @@ def train(
             mininterval=1.0,  # redrawn once a second: drawing costs about a millisecond, a small model's step tens
             disable=not (show_progress and accelerator.is_local_main_process),
         )
-        # The training window since the last log: summed loss (a tensor: no per-step synchronisation), real
-        # (non-padding) tokens of all processes, optimizer steps and training time (evaluations and checkpoints
-        # excluded). This process's tokens are summed over processes only when something is logged or saved
-        # (`new_tokens` until then).
-        window_loss = torch.zeros((), device=accelerator.device)
+        # The training window since the last log: each step's loss and the other health figures (`health`, on the
+        # device: no per-step synchronisation), real (non-padding) tokens of all processes, optimizer steps and
+        # training time (evaluations and checkpoints excluded). This process's tokens are summed over processes only
+        # when something is logged or saved (`new_tokens` until then).
         window_tokens, window_steps, window_time, waited_before = 0, 0, 0.0, 0.0
         new_tokens = 0
-        train_loss = None
+        train_loss, norm_text = None, "-"
         run_start, elapsed_before = time.perf_counter(), state.elapsed_s
         elapsed = lambda: round(elapsed_before + time.perf_counter() - run_start, 3)
         segment_start = time.perf_counter()
@@ -383,17 +407,21 @@ def train(
             if accelerator.num_processes > 1:
                 num_items = accelerator.reduce(num_items, reduction="sum")
             num_items = num_items.clamp(min=1)  # a step without targets (none in practice) adds nothing
+            if log_due_at(state.step + 1) or checkpoint_due_at(state.step + 1):
+                health.keep_weights()  # this step's row measures its update
+            grad_norm = None
             for batch in step_batches:
                 new_tokens += real_tokens(batch)  # counted on the CPU copy: no device synchronisation
                 batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
                 with accelerator.accumulate(model):
                     loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
                     accelerator.backward(loss * loss_scale if loss_scale != 1 else loss)
-                    if accelerator.sync_gradients and cfg.max_grad_norm is not None:
-                        accelerator.clip_grad_norm_(parameters, cfg.max_grad_norm)
+                    if accelerator.sync_gradients:  # the whole model's norm before clipping, left on the device
+                        grad_norm = accelerator.clip_grad_norm_(parameters, cfg.max_grad_norm or math.inf)
                     optimizer.step()  # Accelerate skips these until the last micro-batch of the step
                     optimizer.zero_grad(set_to_none=True)
-                window_loss += loss.detach()  # this process's share of the step's mean
+                health.add_loss(loss)  # this process's share of the step's mean
+            health.end_step(grad_norm)
             scheduler.step()
             state.step += 1
             window_steps += 1
@@ -405,10 +433,10 @@ def train(
                 first_step = (time.perf_counter() - segment_start, int(tokens))
 
             last = state.step == max_steps
-            log_due = state.step % cfg.logging_steps == 0 or last
+            log_due = log_due_at(state.step)
             eval_due = cfg.eval_steps is not None and state.step % cfg.eval_steps == 0 and not last
             eval_due = eval_due or (last and cfg.load_best_model_at_end)  # the last weights compete for the best
-            checkpoint_due = cfg.checkpointing_steps is not None and (state.step % cfg.checkpointing_steps == 0 or last)
+            checkpoint_due = checkpoint_due_at(state.step)
             early_stop = False  # set by an evaluation under early_stopping_patience
             stop, on_clock = control.poll(state.step)  # the same on every process; the last step ends the run as usual
             stop = stop and not last
@@ -420,7 +448,8 @@ def train(
             new_tokens = int(accelerator.reduce(torch.tensor(new_tokens, device=accelerator.device), reduction="sum"))
             state.tokens, window_tokens, new_tokens = state.tokens + new_tokens, window_tokens + new_tokens, 0
             if log_due or checkpoint_due:  # a checkpoint must never store a state whose loss went bad
-                train_loss = accelerator.reduce(window_loss, reduction="sum").item() / window_steps  # mean per step
+                health_row = health.read()  # the window's one host read: its step losses, the norms
+                train_loss = health_row.pop("train_loss")  # the mean over the window's steps
                 if not math.isfinite(train_loss):
                     raise non_finite_error(train_loss, state.step, cfg, metrics.records)
                 timed_tokens, timed_time, first = window_tokens, window_time, {}
@@ -428,24 +457,31 @@ def train(
                     first_step_logged, first = True, {"first_step_s": round(first_step[0], 4)}
                     if window_steps > 1:
                         timed_tokens, timed_time = window_tokens - first_step[1], window_time - first_step[0]
-                tokens_per_s = round(timed_tokens / max(timed_time, 1e-9))
+                tokens_per_s = timed_tokens / max(timed_time, 1e-9)
+                grad_norm = health_row.pop("grad_norm")
                 metrics.log(
                     {
                         "step": state.step,
                         "tokens": state.tokens,
                         "train_loss": train_loss,
+                        "grad_norm": grad_norm,
                         "lr": scheduler.get_last_lr()[0],
                         "elapsed_s": elapsed(),
-                        "tokens_per_s": tokens_per_s,
+                        "tokens_per_s": round(tokens_per_s),
                         # this process's wait for its batches since the last record: data is the bottleneck when it
                         # approaches the window's training time
                         "data_wait_s": round(micro_batches.waited_s - waited_before, 4),
+                        "flops": fpt * state.tokens,  # so far, every process's (training.flops: 6N + attention)
+                        # the window's FLOP/s over the peak of every process together (null: no peak known)
+                        "mfu": float(f"{fpt * tokens_per_s / peak_total:.4g}") if math.isfinite(peak_total) else None,
+                        **health_row,
                         **first,
                     }
                 )
                 waited_before = micro_batches.waited_s
-                bar.set_postfix(loss=f"{train_loss:.4f}", tokens_per_s=f"{tokens_per_s:,}", refresh=False)
-                window_loss.zero_()
+                norm_text = f"{grad_norm:.3g}" if grad_norm is not None else "-"
+                bar.set_postfix(loss=f"{train_loss:.4f}", grad_norm=norm_text, tokens_per_s=f"{round(tokens_per_s):,}",
+                                refresh=False)  # fmt: skip
                 window_tokens, window_steps, window_time = 0, 0, 0.0
             if eval_due:
                 result = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator, cfg.max_eval_samples)
@@ -458,9 +494,8 @@ def train(
                     # the run ends here: its state stays resumable (unless its evaluation went bad)
                     finite = math.isfinite(result[best.metric])
                     checkpoint_due = checkpoint_due or (early_stop and cfg.checkpointing_steps is not None and finite)
-                bar.set_postfix(
-                    loss=f"{train_loss:.4f}" if train_loss is not None else "-", eval=f"{result['eval_loss']:.4f}"
-                )
+                bar.set_postfix(loss=f"{train_loss:.4f}" if train_loss is not None else "-", grad_norm=norm_text,
+                                eval=f"{result['eval_loss']:.4f}")  # fmt: skip
             if checkpoint_due:
                 state.elapsed_s = elapsed()
                 data_state = batches.state_dict(consumed()) if saves_position else None
@@ -497,7 +532,9 @@ def train(
             saved = {"best_global_step": state.best_global_step}
         final = evaluate(model, eval_blocks, cfg.per_device_eval_batch_size, accelerator)  # every block
         metrics.log({"step": state.step, "tokens": state.tokens, **final, "elapsed_s": elapsed(), **saved})
-        return TrainResult(model, state, train_loss, final, history=metrics.records, optimizer_groups=optimizer_groups)
+        compute["flops"] = fpt * state.tokens
+        return TrainResult(model, state, train_loss, final, history=metrics.records, optimizer_groups=optimizer_groups,
+                           budget=budget, compute=compute)  # fmt: skip
 
 
 def num_training_steps(cfg: TrainConfig, batches) -> int:

@@ -32,6 +32,7 @@ from decoderlab.roles_decoderlab import muon_width_problems
 from .args import PrepareConfig, TrainConfig
 from .checkpointing import CONFIG_NAME, SHAPING_FIELDS, find_checkpoint, resume_refusal
 from .finetune_args import FinetuneConfig
+from .flops import run_budget
 from .hardware import cpu_has_bf16, launched_processes, requested_sharding, runs_on_cpu
 from .models import read_model_config
 from .optim import schedule_fits
@@ -131,8 +132,11 @@ def streaming(cfg: TrainConfig, launch: Launch) -> str | None:
             "(streaming=True) never holds: stream with window_sampling blocks, or prepare the data once "
             "(training/prepare_data.py) and train on it with --prepared_data."
         )
-    if cfg.max_train_steps is None:
-        return "streaming=True needs --max_train_steps: a streamed dataset has no length to count epochs."
+    if cfg.max_train_steps is None and cfg.target_flops is None and cfg.tokens_per_parameter is None:
+        return (
+            "streaming=True needs --max_train_steps (or a budget: --target_flops, --tokens_per_parameter): a streamed "
+            "dataset has no length to count epochs."
+        )
     return None
 
 
@@ -318,6 +322,38 @@ def mup_with_muon(cfg: TrainConfig, launch: Launch) -> str | None:
     return None
 
 
+def budget(cfg: TrainConfig, launch: Launch) -> str | None:
+    """A run sized by its budget (``training/flops.py``): one budget, no ``max_train_steps`` beside it, and at least
+    one step's FLOPs. A new model's vocabulary comes from the data, so here it counts at its smallest (one token) and
+    the loop, which knows it, asks again."""
+    given = [name for name in ("target_flops", "tokens_per_parameter") if getattr(cfg, name) is not None]
+    if not given:
+        return None
+    if len(given) == 2:
+        return (
+            f"target_flops={cfg.target_flops:g} and tokens_per_parameter={cfg.tokens_per_parameter:g} each set the "
+            "number of steps: keep one of them."
+        )
+    name = given[0]
+    if cfg.max_train_steps is not None:
+        return (
+            f"--{name} {getattr(cfg, name):g} sets the number of steps from the budget, but max_train_steps="
+            f"{cfg.max_train_steps} sets it too (the flag's or the recipe's value): pass --max_train_steps none to size "
+            f"the run by its budget, or drop --{name}."
+        )
+    model = launch.model
+    if model is None:  # a base checkpoint that cannot be read: loading it reports why
+        return None
+    known = cfg.model_name_or_path is not None or "vocab_size" in cfg.model
+    if cfg.model_name_or_path is None:
+        model = DecoderLabConfig(**{"vocab_size": 1, **cfg.model})
+    try:
+        run_budget(cfg, model, launch.processes, vocabulary_known=known)
+    except UsageError as err:
+        return str(err)
+    return None
+
+
 def resume_fits(cfg: TrainConfig, launch: Launch) -> str | None:
     """A resumed run's settings that shape its weights or optimizer state are the ones its checkpoint was saved with
     (its run's training_config.yaml; checkpoints without one are compared tensor by tensor once the model is
@@ -365,6 +401,7 @@ CHECKS: tuple[Callable[[TrainConfig, Launch], str | None], ...] = (
     mup_with_muon,
     sharding,
     bf16_hardware,
+    budget,
     schedule,
     best_model,
     compile_backend,
