@@ -687,6 +687,28 @@ MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": cre
 # Hugging Face models
 
 
+def cpu_flex_attention_defect(head_dim: int) -> str | None:
+    """Why torch's flex attention cannot run this model on this CPU, or None. On a CPU whose compiled kernels
+    torch's inductor writes with AVX2 (an AVX2-only CPU, or ``ATEN_CPU_CAPABILITY=avx2``), torch 2.13's CPU flex
+    attention kernel returns wrong numbers (off by more than 1, or NaN) for heads of 16 dimensions or fewer at some
+    sequence lengths (8, 24 and 40 tokens among those measured; 64, 100 and 256 right), for transformers' own models
+    as for this one; with AVX-512 the same calls are right. ``tests/test_attention_backends.py`` compares the kernel
+    with SDPA on the CPU that runs it, so the refusal lifts when a torch release gets it right."""
+    if head_dim > 16:
+        return None
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = str(pick_vec_isa())
+    if isa.split()[0] != "avx2":
+        return None
+    return (
+        f"attn_implementation='flex_attention' on this CPU (compiled with {isa}) gives wrong attention for "
+        f"head_dim={head_dim}: torch's CPU flex-attention kernel with AVX2 is wrong for heads of 16 dimensions or "
+        "fewer at some sequence lengths. Use attn_implementation='sdpa' (the default) or 'eager' on this CPU; flex "
+        "attention runs such a model on a GPU, or on a CPU with AVX-512."
+    )
+
+
 def applies_sinks(attn_implementation: str) -> bool:
     """Whether the attention kernel ``attn_implementation`` adds learned sinks: the eager attention written here
     (``eager_attention_with_sinks``), and vLLM's. vLLM's Transformers backend registers its attention as "vllm",
@@ -826,7 +848,9 @@ class DecoderLabPreTrainedModel(PreTrainedModel):
                 init.ones_(param)
             elif how == "zeros":
                 init.zeros_(param)
-            elif how == "own" and hasattr(module, "initial_value"):  # a scalar's value; LoRA adapters start as PEFT makes them
+            elif how == "own" and hasattr(
+                module, "initial_value"
+            ):  # a scalar's value; LoRA adapters start as PEFT makes them
                 init.constant_(param, module.initial_value)
             elif how != "own":
                 init.normal_(param, mean=0.0, std=init_std(role, self.config))
@@ -945,6 +969,14 @@ class DecoderLabModel(DecoderLabPreTrainedModel):
         # a sliding layer no key outside its window): no mask is materialised then. generate() with a static cache
         # passes them ready-made, by attention type (a 4D mask a single type's function hands back as it is)
         masks = attention_mask
+        if (
+            self.config._attn_implementation == "flex_attention"
+            and inputs_embeds.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        ):
+            defect = cpu_flex_attention_defect(self.config.head_dim)
+            if defect is not None:  # a question of this CPU, asked where the device is known
+                raise ValueError(defect)
         if not isinstance(masks, dict):
             masks = {
                 kind: make_mask(self.config, inputs_embeds, attention_mask, cache, given_position_ids)

@@ -33,8 +33,9 @@ def test_eager_and_sdpa_agree(tiny_model, position_type, block_variant, attentio
 def test_flex_attention_agrees_with_eager_and_decodes_the_same(tiny_model, attention_heads):
     """PyTorch's flex attention (transformers' "flex_attention" backend, compiled on first use): logits equal
     eager's at every real position of a left-padded batch, and greedy generation through the KV cache is
-    identical."""
-    model = tiny_model(num_hidden_layers=2, **attention_heads)
+    identical. (Heads of 32: torch's CPU flex kernel is wrong at 16 with AVX2, and such a model is refused there; see
+    the next test.)"""
+    model = tiny_model(num_hidden_layers=2, head_dim=32, **attention_heads)
     x = torch.randint(0, 99, (3, 14))
     mask = left_padding_mask(3, 14)
     logits, generated = {}, {}
@@ -46,6 +47,48 @@ def test_flex_attention_agrees_with_eager_and_decodes_the_same(tiny_model, atten
         generated[implementation] = model.generate(x[:1], max_new_tokens=6, do_sample=False)
     torch.testing.assert_close(logits["flex_attention"][mask.bool()], logits["eager"][mask.bool()], rtol=0, atol=1e-5)
     assert torch.equal(generated["flex_attention"], generated["eager"])
+
+
+def torch_cpu_flex_is_right(head_dim: int) -> bool:
+    """Whether torch's compiled flex attention gives SDPA's causal attention on this CPU, for heads of ``head_dim``
+    at the sequence lengths where it was seen wrong with AVX2 (8, 24 and 40 tokens), each freshly compiled."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    for length in (8, 24, 40):
+        torch._dynamo.reset()
+        q, k, v = (torch.randn(3, 4, length, head_dim) for _ in range(3))
+        block_mask = create_block_mask(lambda b, h, i, j: i >= j, 3, 4, length, length, device="cpu")
+        out = torch.compile(flex_attention)(q, k, v, block_mask=block_mask)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if not torch.allclose(out, expected, rtol=0, atol=1e-4):
+            return False
+    return True
+
+
+@pytest.mark.cpu_features
+def test_flex_attention_is_refused_on_a_cpu_whose_kernel_is_wrong(tiny_model):
+    """torch's CPU flex attention compiled for AVX2 returns wrong numbers (or NaN) for heads of 16 dimensions: a
+    model with such heads refuses flex attention on a CPU exactly where the kernel is wrong (the error names the
+    kernel, the head_dim and what to use), and runs it where it is right; heads of 32 run everywhere. Under
+    ``make test-avx2`` (kernels held to AVX2) the refusal is the branch taken; on an AVX-512 CPU the other."""
+    from decoderlab.modeling_decoderlab import cpu_flex_attention_defect
+
+    right = torch_cpu_flex_is_right(16)
+    model = tiny_model(num_hidden_layers=1)  # hidden_size 64, 4 heads: head_dim 16
+    assert model.config.head_dim == 16
+    model.set_attn_implementation("flex_attention")
+    x = torch.randint(0, 99, (2, 24))
+    if right:
+        assert cpu_flex_attention_defect(16) is None
+        with torch.no_grad():
+            flex = model(x).logits
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            torch.testing.assert_close(flex, model(x).logits, rtol=0, atol=1e-5)
+    else:
+        with pytest.raises(ValueError, match=r"flex_attention.*head_dim=16.*attn_implementation='sdpa'"):
+            model(x)
+    assert torch_cpu_flex_is_right(32) and cpu_flex_attention_defect(32) is None
 
 
 def test_padding_is_masked_out(tiny_model, position_type):

@@ -47,8 +47,9 @@ from decoderlab.roles_decoderlab import init_std, rule_for
 
 S, F = "sliding_attention", "full_attention"
 WINDOW = 4
+# heads of 32: torch's CPU flex kernel is wrong for heads of 16 with AVX2 (tests/test_attention_backends.py)
 SIZES = dict(vocab_size=99, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=128)  # fmt: skip
 LAYOUTS = {
     "sliding": dict(layer_types=[S, F, S, S], sliding_window=WINDOW),
     "all sliding": dict(layer_types=[S] * 4, sliding_window=WINDOW),
@@ -198,7 +199,7 @@ def test_flex_attention_skips_the_blocks_outside_the_window(randomize):
     over 512 tokens, 128 a block, it marks more blocks empty (skipped by the kernel) than a full layer's causal
     mask, and the logits equal eager's."""
     model = layout_model(randomize, dict(layer_types=[S, F], sliding_window=128), "flex_attention",
-                         hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                         hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=64,
                          num_hidden_layers=2, max_position_embeddings=512)  # fmt: skip
     masks = {}
 
@@ -377,7 +378,7 @@ def test_static_cache_and_compiled_decoding_run_a_sliding_layout(randomize):
 # transformers' own classes, weights copied across
 
 WIDE = 8  # the window of the comparisons, on 40 tokens (five windows)
-HF_SIZES = {**SIZES, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+HF_SIZES = {**SIZES, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
             "tie_word_embeddings": False, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # fmt: skip
 
 
@@ -443,7 +444,7 @@ def test_one_attention_layer_with_sinks_is_gpt_oss(randomize, layer_type):
     weights, RoPE tables and mask (causal, or its 6-token window, with left padding) give the same outputs and
     attention weights within 1e-5. One layer only: gpt-oss's blocks end in a mixture of experts with a clamped
     SwiGLU, which no decoderlab MLP computes, so whole models cannot be compared."""
-    hf = GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1,
+    hf = GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=1,
                       layer_types=[layer_type], sliding_window=6, rope_parameters={"rope_type": "default",
                       "rope_theta": 1e4}, attention_bias=True, vocab_size=99)  # fmt: skip
     hf._attn_implementation = "eager"
