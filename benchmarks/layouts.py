@@ -7,13 +7,15 @@ full attention on the same attention backend, side by side, and the KV cache a l
 Two models of the llama preset at the nano shape (4 layers x 128, 4 heads, vocabulary 65), with the same weights:
 full attention on every layer, and ``layer_types`` sliding on layers 0-2 with ``sliding_window=64`` (the fourth layer
 keeps full attention). Each attention backend runs both, interleaved (A B A B ...) so that a change in the machine's
-load hits both; figures are medians over ``--repeats`` rounds, and each row's ratio is windowed / full from the same
-rounds. The backends: flex attention, whose block mask lets the kernel skip the blocks outside the window; SDPA,
+load hits both; figures are medians over ``--repeats`` rounds, and each row's ratio windowed / full is the median of
+the rounds' own ratios (each from two calls seconds apart), with their range. The backends: flex attention, whose block mask lets the kernel skip the blocks outside the window; SDPA,
 whose CPU kernel gets the window as a mask and computes every block under the diagonal; the eager attention, which
 computes every score. At blocks of 256 and 1024 tokens, 4,096 tokens a batch (16 x 256, 4 x 1024):
 
 - train: forward, backward and AdamW (fused, ``benchmarks.common.optimizer_step_fn``) on one batch; tokens/s.
 - forward: the same batch's forward without gradients, what a prefill costs; tokens/s.
+- masks: the attention masks that forward makes before its layers run, one per kind of layer (flex attention's
+  block masks, SDPA's and eager's boolean or additive masks; none where SDPA's own causal path needs none); ms.
 - decode: greedy ``generate`` of 64 tokens at batch 1 after a prompt of block - 64 tokens already in the cache (a
   copy of one prefilled cache each round: the prefill is not timed); new tokens/s.
 - peak memory, for each of the three: the most bytes allocated at once during one call beyond what was allocated
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import statistics
 import time
 import traceback
 
@@ -67,7 +70,8 @@ QUICK = dict(window=8, blocks=(32, 64), tokens_per_batch=128, new_tokens=8, cach
 # flex attention skips the blocks its block mask marks empty; SDPA and eager compute every block the causal mask
 # leaves, the window applied as a mask inside them
 BACKENDS = {"flex_attention": True, "sdpa": False, "eager": False}
-WORKLOADS = ("train", "forward", "decode")
+WORKLOADS = ("train", "forward", "masks", "decode")
+IN_MS = {"masks"}  # workloads reported in milliseconds a call (the others in tokens/s)
 GOAL_BLOCK = 1024
 PROFILED_OPS = 8  # operators kept per profiled call, by their own CPU time
 
@@ -98,7 +102,8 @@ def size_of(block: int, tokens_per_batch: int) -> Size:
 
 
 def workload(name: str, model: DecoderLabForCausalLM, size: Size, new_tokens: int):
-    """(one call's work, the tokens it handles): a training step, a forward, or a decode of ``new_tokens``."""
+    """(one call's work, the tokens it handles): a training step, a forward, the attention masks a forward of that
+    batch makes (one per kind of layer, as ``DecoderLabModel.forward`` makes them), or a decode of ``new_tokens``."""
     if name == "train":
         x, y = training_batch(size)
         model.train()
@@ -112,6 +117,17 @@ def workload(name: str, model: DecoderLabForCausalLM, size: Size, new_tokens: in
                 model(input_ids=x, use_cache=False)
 
         return forward, x.numel()
+    if name == "masks":
+        x, _ = training_batch(size)
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(x)
+
+        def masks() -> None:
+            with torch.no_grad():
+                for make_mask in model.model.mask_functions.values():
+                    make_mask(model.config, embeds, None, None, None)
+
+        return masks, x.numel()
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, size.vocab_size, (1, size.block_size - new_tokens), generator=generator)
     with torch.no_grad():
@@ -165,10 +181,15 @@ def compare(backend: str, block: int, name: str, models: dict, size: Size, new_t
         profiles = {layout: profiled(work) for layout, work in works.items()}
     except Exception as err:  # a backend that cannot run this workload here: the row says what it raised
         return {**row, "error": error_text(err), "load": [load, load_average()]}
-    rates = {layout: tokens / t["median_s"] for layout, t in times.items()}
+    figures = {layout: 1e3 * t["median_s"] if name in IN_MS else tokens / t["median_s"] for layout, t in times.items()}
+    # each round's windowed / full from its two calls, seconds apart: a change of load between rounds cancels
+    rounds = [full / windowed for full, windowed in zip(times["full"]["samples_s"], times["windowed"]["samples_s"])]
+    if name in IN_MS:
+        rounds = [1 / r for r in rounds]
     peaks = {layout: peak for layout, (peak, _) in profiles.items()}
-    return {**row, "tokens_per_s": rates, "ratio": rates["windowed"] / rates["full"], "peak_mb": peaks,
-            "peak_ratio": peaks["windowed"] / peaks["full"], "load": [load, load_average()],
+    return {**row, "unit": "ms" if name in IN_MS else "tokens/s", "figures": figures,
+            "ratio": statistics.median(rounds), "ratio_range": [min(rounds), max(rounds)], "peak_mb": peaks,
+            "peak_ratio": peaks["windowed"] / peaks["full"] if peaks["full"] else None, "load": [load, load_average()],
             "samples_s": {layout: t["samples_s"] for layout, t in times.items()},
             "profile_ms": {layout: ops for layout, (_, ops) in profiles.items()}}  # fmt: skip
 
@@ -234,8 +255,10 @@ def describe(row: dict) -> str:
     where = f"{row['workload']:8s} block {row['block']:5d} {row['backend']:15s}"
     if "error" in row:
         return f"{where} not run: {row['error']}"
-    rates = row["tokens_per_s"]
-    return (f"{where} full {rates['full']:9.1f}  windowed {rates['windowed']:9.1f} tokens/s  {row['ratio']:5.2f}x   "
+    rates = row["figures"]
+    low, high = row["ratio_range"]
+    return (f"{where} full {rates['full']:9.1f}  windowed {rates['windowed']:9.1f} {row['unit']:8s}  "
+            f"{row['ratio']:5.2f}x ({low:.2f}-{high:.2f})   "
             f"peak {row['peak_mb']['full']:7.1f} / {row['peak_mb']['windowed']:7.1f} MB  "
             f"load {row['load'][0]:.1f}-{row['load'][1]:.1f}")  # fmt: skip
 

@@ -523,12 +523,14 @@ def few_rows_decode_rows(*reports: dict) -> list[Line]:
 
 
 LAYOUT_WORKLOADS = {"train": "training, tokens/s", "forward": "forward without gradients, tokens/s",
+                    "masks": "making the forward's attention masks, ms (lower is better)",
                     "decode": "decoding, new tokens/s"}  # fmt: skip
 
 
 def layouts_rows(report: dict) -> list[Line]:
-    """Sliding windows on three of four layers against full attention on the same backend, interleaved: both rates,
-    windowed / full, and both peaks of allocated memory; a backend that could not run a workload says what it raised."""
+    """Sliding windows on three of four layers against full attention on the same backend, interleaved: both figures
+    (medians), windowed / full (the median of the rounds' own ratios, and their range), and both peaks of allocated
+    memory; a backend that could not run a workload says what it raised."""
     rows = []
     for r in report["rows"]:
         skips = "yes" if r["skips_blocks"] else "no"
@@ -536,12 +538,13 @@ def layouts_rows(report: dict) -> list[Line]:
         if "error" in r:
             cells = [*what, f"not run: {r['error']}", "", "", "", ""]
         else:
-            rate, peak = r["tokens_per_s"], r["peak_mb"]
-            cells = [*what, number(rate["full"]), number(rate["windowed"]), f"**{times(r['ratio'])}**",
-                     f"{number(peak['full'])} / {number(peak['windowed'])}", times(r["peak_ratio"])]  # fmt: skip
+            figure, peak, (low, high) = r["figures"], r["peak_mb"], r["ratio_range"]
+            cells = [*what, number(figure["full"]), number(figure["windowed"]),
+                     f"**{times(r['ratio'])}** ({low:.2f}–{high:.2f})", f"{number(peak['full'])} / "
+                     f"{number(peak['windowed'])}", times(r["peak_ratio"]) if r["peak_ratio"] else "-"]  # fmt: skip
         rows.append((cells, "layouts.json"))
     header = ["measure", "block", "backend", "skips the blocks outside the window", "full attention", "windowed",
-              "windowed / full", "peak MB, full / windowed", "peak, windowed / full"]  # fmt: skip
+              "windowed / full (rounds' range)", "peak MB, full / windowed", "peak, windowed / full"]  # fmt: skip
     return markdown_table(header, "lrllrrrrr", rows)
 
 

@@ -560,7 +560,7 @@ def test_few_rows_decode_times_decoding_with_the_product_chosen_and_off_against_
 
 def test_layouts_quick_run_compares_each_backend_side_by_side_and_measures_the_cache(tmp_path):
     """``python -m benchmarks.layouts --quick`` on SDPA and eager (nothing to compile): each workload at both blocks on
-    each backend, the windowed and the full model's figures from the same rounds with their ratio and their peaks,
+    each backend, the windowed and the full model's figures with the rounds' own ratios (their median) and their peaks,
     the backend named and marked as not skipping blocks; the cache after each generation holds what the formula says
     (a sliding layer the last w - 1 tokens, a full one L - 1) and stays within the bound; the goals are decided from
     the rows (no backend that skips blocks ran: training's is not met, and says so); the report renders the rows."""
@@ -573,10 +573,14 @@ def test_layouts_quick_run_compares_each_backend_side_by_side_and_measures_the_c
     assert {(r["workload"], r["block"], r["backend"]) for r in result["rows"]} == expected
     for row in result["rows"]:
         assert "error" not in row and row["skips_blocks"] is False
-        rates = row["tokens_per_s"]
-        assert row["ratio"] == pytest.approx(rates["windowed"] / rates["full"]) and min(rates.values()) > 0
-        assert row["peak_ratio"] == pytest.approx(row["peak_mb"]["windowed"] / row["peak_mb"]["full"])
-        assert set(row["profile_ms"]) == {"full", "windowed"} and all(row["profile_ms"].values())
+        full, windowed = (row["samples_s"][layout][0] for layout in ("full", "windowed"))  # one round
+        assert row["ratio"] == pytest.approx(windowed / full if row["workload"] == "masks" else full / windowed)
+        assert row["ratio_range"] == [row["ratio"], row["ratio"]] and min(row["figures"].values()) > 0
+        assert row["unit"] == ("ms" if row["workload"] == "masks" else "tokens/s")
+        peak = row["peak_mb"]
+        assert row["peak_ratio"] == (pytest.approx(peak["windowed"] / peak["full"]) if peak["full"] else None)
+        # SDPA's full model makes no mask at all (its kernel's own causal path): no operator to list
+        assert set(row["profile_ms"]) == {"full", "windowed"} and row["profile_ms"]["windowed"]
     for row in result["cache"]:
         L = row["tokens"]
         assert row["windowed"]["tokens_held"] == [min(L - 1, window - 1)] * 3 + [L - 1]
@@ -606,7 +610,7 @@ def test_a_backend_that_cannot_run_a_workload_gets_a_row_saying_what_it_raised(m
     monkeypatch.setattr(layouts, "workload", cannot)
     row = layouts.compare("flex_attention", 32, "train", models, layouts.size_of(32, 64), 4, repeats=1)
     assert row["error"] == "NotImplementedError: FlexAttention does not support backward on CPU."
-    assert row["skips_blocks"] is True and "tokens_per_s" not in row
+    assert row["skips_blocks"] is True and "figures" not in row
     (goal, _) = layouts.goals([row], [], goal_block=32)
     assert goal["met"] is False and goal["evidence"] == f"flex_attention: {row['error']}"
     line = report.layouts_rows({"rows": [row]})[-1].text
@@ -615,11 +619,12 @@ def test_a_backend_that_cannot_run_a_workload_gets_a_row_saying_what_it_raised(m
 
 @pytest.mark.slow
 def test_layouts_quick_run_on_flex_attention_skips_blocks_in_the_forward(tmp_path):
-    """``--quick --backends flex_attention``: flex attention's forward runs, both layouts, (its block mask is what lets
-    the kernel skip the blocks outside the window); every workload it cannot run here says what it raised."""
+    """``--quick --backends flex_attention``: flex attention's forward and its block masks run for both layouts (the
+    block mask is what lets the kernel skip the blocks outside the window); every workload it cannot run here says
+    what it raised."""
     out = tmp_path / "layouts.json"
     layouts.main(["--quick", "--backends", "flex_attention", "--threads", "1", "--json_out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert {r["backend"] for r in rows} == {"flex_attention"} and all(r["skips_blocks"] for r in rows)
-    assert all("tokens_per_s" in r for r in rows if r["workload"] == "forward")
-    assert all(("error" in r) != ("tokens_per_s" in r) for r in rows)
+    assert all("figures" in r for r in rows if r["workload"] in ("forward", "masks"))
+    assert all(("error" in r) != ("figures" in r) for r in rows)
