@@ -532,6 +532,49 @@ def few_rows_decode_rows(*reports: dict) -> list[Line]:
     return markdown_table(header, "llrrrrl", rows)
 
 
+LAYOUT_WORKLOADS = {"train": "training, tokens/s", "forward": "forward without gradients, tokens/s",
+                    "masks": "making the forward's attention masks, ms (lower is better)",
+                    "decode": "decoding, new tokens/s"}  # fmt: skip
+
+
+def layouts_rows(report: dict) -> list[Line]:
+    """Sliding windows on three of four layers against full attention on the same backend, interleaved: both figures
+    (medians), windowed / full (the median of the rounds' own ratios, and their range), and both peaks of allocated
+    memory; a backend that could not run a workload says what it raised."""
+    rows = []
+    for r in report["rows"]:
+        skips = "yes" if r["skips_blocks"] else "no"
+        what = [LAYOUT_WORKLOADS[r["workload"]], str(r["block"]), f"`{r['backend']}`", skips]
+        if "error" in r:
+            cells = [*what, f"not run: {r['error']}", "", "", "", ""]
+        else:
+            figure, peak, (low, high) = r["figures"], r["peak_mb"], r["ratio_range"]
+            cells = [*what, number(figure["full"]), number(figure["windowed"]),
+                     f"**{times(r['ratio'])}** ({low:.2f}–{high:.2f})", f"{number(peak['full'])} / "
+                     f"{number(peak['windowed'])}", times(r["peak_ratio"]) if r["peak_ratio"] else "-"]  # fmt: skip
+        rows.append((cells, "layouts.json"))
+    header = ["measure", "block", "backend", "skips the blocks outside the window", "full attention", "windowed",
+              "windowed / full (rounds' range)", "peak MB, full / windowed", "peak, windowed / full"]  # fmt: skip
+    return markdown_table(header, "lrllrrrrr", rows)
+
+
+def layouts_cache_rows(report: dict) -> list[Line]:
+    """The KV cache after a generation of L tokens, windowed against full, beside the bound; then both goals."""
+    window = report["shape"]["sliding_window"]
+    rows = [
+        ([f"{r['tokens']:,}", f"{r['full']['bytes']:,}", f"{r['windowed']['bytes']:,}", f"{r['ratio']:.3f}",
+          f"{r['bound']:.3f}", "yes" if all(r[side]["bytes"] == r[side]["expected_bytes"] for side in ("full", "windowed"))
+          else "no", " / ".join(map(str, r["windowed"]["tokens_held"]))], "layouts.json")
+        for r in report["cache"]
+    ]  # fmt: skip
+    header = ["tokens generated (L)", "full attention, bytes", "windowed, bytes", "windowed / full",
+              f"bound (3 × {window} + L) / (4 L)", "bytes as the formula says", "tokens each windowed layer holds"]  # fmt: skip
+    goals = [(["goal: " + g["goal"], "**met**" if g["met"] else "**not met**", g["evidence"]], "layouts.json")
+             for g in report["goals"]]  # fmt: skip
+    cache = markdown_table(header, "rrrrrll", rows)
+    return cache + [Line("")] + markdown_table(["goal", "verdict", "numbers"], "lll", goals)
+
+
 def short_measured(name: str, data: dict) -> str:
     """E.g. "[Intel Xeon, 2026-12-03](link to the file)": the headline's column; the rest is on the performance page."""
     provenance = data["provenance"]

@@ -32,7 +32,7 @@ from transformers import AttentionInterface, PreTrainedTokenizerBase
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from decoderlab import DecoderLabForCausalLM
-from decoderlab.modeling_decoderlab import eager_attention_forward, repeat_kv
+from decoderlab.modeling_decoderlab import repeat_kv
 from training.args import Config, TrainConfig, add_flags, coerce, option, parse_config
 from training.checkpointing import git_commit, hardware_description, package_versions
 from training.data import (
@@ -459,10 +459,12 @@ class AttentionRecorder:
     ``config`` appends its scores ``Q K^T * scale`` (B, nh, T, S) to ``rec.scores`` (before the causal
     mask and the softmax) and its weights to ``rec.weights``, in call order (layer 0 first).
 
-    The module's q, k, v (after RoPE and the KV cache) reach decoderlab's own eager kernel unchanged; the
-    function is registered with transformers' attention and mask interfaces (the eager causal mask), so
-    the model computes exactly what ``attn_implementation="eager"`` computes. Weights keep their graph,
-    so gradients can flow through them.
+    The module's q, k, v (after RoPE and the KV cache) reach the layer's own eager kernel unchanged
+    (``module.eager_attention``: with learned sinks, the one that adds them to the softmax's denominator, so a
+    row of recorded weights sums to 1 minus the sink's share); the function is registered with transformers'
+    attention and mask interfaces (the eager masks, a sliding layer's window included), so the model computes
+    exactly what ``attn_implementation="eager"`` computes. Weights keep their graph, so gradients can flow
+    through them.
     """
 
     def __init__(self, config):
@@ -483,7 +485,7 @@ class AttentionRecorder:
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         keys = repeat_kv(key, module.num_key_value_groups)  # (B, nh, S, hs)
         self.scores.append((query @ keys.transpose(2, 3) * scaling).detach())  # (B, nh, T, S)
-        out, weights = eager_attention_forward(module, query, key, value, attention_mask, scaling, **kwargs)
+        out, weights = module.eager_attention(module, query, key, value, attention_mask, scaling, **kwargs)
         self.weights.append(weights)
         return out, weights
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from benchmarks import gpu_mfu, reference_nanogpt, sample_efficiency, shakespeare_char
+from benchmarks import gpu_mfu, layouts, reference_nanogpt, report, sample_efficiency, shakespeare_char
 from benchmarks.common import (
     Size,
     decoderlab_state_from_nanogpt,
@@ -573,3 +573,75 @@ def test_few_rows_decode_times_decoding_with_the_product_chosen_and_off_against_
         assert all(rate > 0 for rate in row["tokens_per_s"].values())
         assert row["few_rows_kept"] and all(isinstance(kept, bool) for kept in row["few_rows_kept"].values())
         assert any(shape.endswith(", 1 rows") for shape in row["few_rows_kept"])
+
+
+def test_layouts_quick_run_compares_each_backend_side_by_side_and_measures_the_cache(tmp_path):
+    """``python -m benchmarks.layouts --quick`` on SDPA and eager (nothing to compile): each workload at both blocks on
+    each backend, the windowed and the full model's figures with the rounds' own ratios (their median) and their peaks,
+    the backend named and marked as not skipping blocks; the cache after each generation holds what the formula says
+    (a sliding layer the last w - 1 tokens, a full one L - 1) and stays within the bound; the goals are decided from
+    the rows (no backend that skips blocks ran: training's is not met, and says so); the report renders the rows."""
+    out = tmp_path / "layouts.json"
+    layouts.main(["--quick", "--backends", "sdpa", "eager", "--threads", "1", "--json_out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["provenance"]["threads"] == 1 and result["machine"].startswith("CPU: ")
+    blocks, window = layouts.QUICK["blocks"], layouts.QUICK["window"]
+    expected = {(w, b, k) for w in layouts.WORKLOADS for b in blocks for k in ("sdpa", "eager")}
+    assert {(r["workload"], r["block"], r["backend"]) for r in result["rows"]} == expected
+    for row in result["rows"]:
+        assert "error" not in row and row["skips_blocks"] is False
+        full, windowed = (row["samples_s"][layout][0] for layout in ("full", "windowed"))  # one round
+        assert row["ratio"] == pytest.approx(windowed / full if row["workload"] == "masks" else full / windowed)
+        assert row["ratio_range"] == [row["ratio"], row["ratio"]] and min(row["figures"].values()) > 0
+        assert row["unit"] == ("ms" if row["workload"] == "masks" else "tokens/s")
+        peak = row["peak_mb"]
+        assert row["peak_ratio"] == (pytest.approx(peak["windowed"] / peak["full"]) if peak["full"] else None)
+        # SDPA's full model makes no mask at all (its kernel's own causal path): no operator to list
+        assert set(row["profile_ms"]) == {"full", "windowed"} and row["profile_ms"]["windowed"]
+    for row in result["cache"]:
+        L = row["tokens"]
+        assert row["windowed"]["tokens_held"] == [min(L - 1, window - 1)] * 3 + [L - 1]
+        assert row["full"]["tokens_held"] == [L - 1] * 4
+        for side in ("full", "windowed"):
+            assert row[side]["bytes"] == row[side]["expected_bytes"]
+        assert row["ratio"] <= row["bound"] == pytest.approx((3 * window + L) / (4 * L))
+    training, cache = result["goals"]
+    assert training["met"] is False and training["evidence"] == "no such backend ran"
+    assert cache["met"] is True
+    table = "\n".join(line.text for line in report.layouts_rows(result) + report.layouts_cache_rows(result))
+    assert "`sdpa`" in table and "`eager`" in table and "| **not met** |" in table and "| **met** |" in table
+
+
+def test_a_backend_that_cannot_run_a_workload_gets_a_row_saying_what_it_raised(monkeypatch):
+    """A workload a backend cannot run (torch's flex attention has no backward on a CPU) becomes a row with the error's
+    type, first line and where torch raised it, instead of figures; the training goal counts it as not met and quotes
+    it; the report shows the row as not run."""
+    models = layouts.build_pair(window=4, max_positions=32)
+
+    def cannot(name, model, size, new_tokens):
+        def work():
+            raise NotImplementedError("FlexAttention does not support backward on CPU.\nmore detail")
+
+        return work, 1
+
+    monkeypatch.setattr(layouts, "workload", cannot)
+    row = layouts.compare("flex_attention", 32, "train", models, layouts.size_of(32, 64), 4, repeats=1)
+    assert row["error"] == "NotImplementedError: FlexAttention does not support backward on CPU."
+    assert row["skips_blocks"] is True and "figures" not in row
+    (goal, _) = layouts.goals([row], [], goal_block=32)
+    assert goal["met"] is False and goal["evidence"] == f"flex_attention: {row['error']}"
+    line = report.layouts_rows({"rows": [row]})[-1].text
+    assert "`flex_attention` | yes | not run: NotImplementedError: FlexAttention" in line
+
+
+@pytest.mark.slow
+def test_layouts_quick_run_on_flex_attention_skips_blocks_in_the_forward(tmp_path):
+    """``--quick --backends flex_attention``: flex attention's forward and its block masks run for both layouts (the
+    block mask is what lets the kernel skip the blocks outside the window); every workload it cannot run here says
+    what it raised."""
+    out = tmp_path / "layouts.json"
+    layouts.main(["--quick", "--backends", "flex_attention", "--threads", "1", "--json_out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["backend"] for r in rows} == {"flex_attention"} and all(r["skips_blocks"] for r in rows)
+    assert all("figures" in r for r in rows if r["workload"] in ("forward", "masks"))
+    assert all(("error" in r) != ("figures" in r) for r in rows)

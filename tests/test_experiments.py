@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import decoderlab
-from experiments import attention_scale, common, heads, norm_placement, rope_relative, sample_efficiency
+from experiments import attention_scale, common, heads, layouts, norm_placement, rope_relative, sample_efficiency
 
 EXPERIMENTS = {
     "attention_scale": attention_scale,
@@ -25,6 +25,7 @@ EXPERIMENTS = {
     "norm_placement": norm_placement,
     "heads": heads,
     "sample_efficiency": sample_efficiency,
+    "layouts": layouts,
 }
 VERDICT = re.compile(r"^\*\*Verdict: the claim (holds|partly holds|does not hold) at this scale\.\*\*$", re.M)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -65,6 +66,8 @@ def test_bad_settings_are_refused(tmp_path):
         rope_relative.main(["--quick", "--eval_length", "16", "--threads", "1", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="depths must be comma-separated integer values, e.g. 2,6,12, got '2,six'"):
         norm_placement.main(["--quick", "--depths", "2,six", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--sliding_window 32 must be shorter than --block_size 32"):
+        layouts.main(["--quick", "--sliding_window", "32", "--threads", "1", "--output_dir", str(tmp_path)])
 
 
 def test_a_run_trains_with_the_recipe_file_and_the_specs_fields(tmp_path):
@@ -114,6 +117,65 @@ def test_recorder_sees_what_eager_attention_computes(tiny_model):
     for layer, weights in enumerate(eager.attentions):
         torch.testing.assert_close(recorder.weights[layer], weights)
         torch.testing.assert_close(torch.softmax(recorder.scores[layer] + causal, dim=-1), weights)
+
+
+def test_recorder_runs_each_layers_own_kernel_sinks_and_windows_included(tiny_model):
+    """With learned sinks and sliding windows the recorder still computes what eager computes (same logits, its
+    weights are output_attentions'), because it runs the layer's own eager kernel: a row of weights sums to 1 minus
+    the sink's share, softmax([scores + mask, s_h]) without the sink's column, and a sliding layer's weights are 0
+    outside its window. (A recorder running the plain softmax would make every row sum to 1 and miss the sinks.)"""
+    window = 4
+    model = tiny_model(attention_sinks=True, layer_types=["sliding_attention", "full_attention"], sliding_window=window)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, model.config.num_attention_heads))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        eager = model(input_ids=input_ids, output_attentions=True)
+        with common.AttentionRecorder(model.config) as recorder:
+            recorded = model(input_ids=input_ids)
+    torch.testing.assert_close(recorded.logits, eager.logits)
+    i, j = torch.arange(12)[:, None], torch.arange(12)[None]
+    for layer, weights in enumerate(eager.attentions):
+        torch.testing.assert_close(recorder.weights[layer], weights)
+        allowed = (j <= i) & ((i - j < window) if layer == 0 else True)
+        scores = recorder.scores[layer].masked_fill(~allowed, float("-inf"))
+        sinks = model.model.layers[layer].self_attn.sinks.view(1, -1, 1, 1).expand(2, -1, 12, 1)
+        expected = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1]
+        torch.testing.assert_close(recorder.weights[layer], expected)
+        assert (weights.sum(-1) < 0.99).all()  # every row gave some attention to its sink
+    assert recorder.weights[0][..., (i - j >= window)].abs().max() == 0  # nothing outside the window
+
+
+def test_where_attention_goes_reads_the_first_token_and_the_missing_share():
+    """layouts.where_attention_goes: the first token's weight and the share given to no token (the sink's), each
+    averaged over queries 1..T-1 and the sequences, against loops written here."""
+    torch.manual_seed(0)
+    L, B, nh, T = 2, 3, 2, 5
+    weights = torch.softmax(torch.randn(L, B, nh, T, T + 1), dim=-1)[..., :T]  # a sink's column dropped
+    weights = weights.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), 0.0)
+    first, sink = layouts.where_attention_goes(weights)
+    for layer in range(L):
+        on_first = [weights[layer, b, h, q, 0].item() for b in range(B) for h in range(nh) for q in range(1, T)]
+        assert first[layer] == pytest.approx(sum(on_first) / len(on_first), rel=1e-5)
+        for h in range(nh):
+            missing = [1 - weights[layer, b, h, q].sum().item() for b in range(B) for q in range(1, T)]
+            assert sink[layer, h] == pytest.approx(sum(missing) / len(missing), rel=1e-5)
+    assert sink.min() > 0
+
+
+def test_layouts_switch_one_field_each():
+    """The experiment's settings differ from the recipe's model in exactly their own switch: three of four layers
+    sliding (every fourth full, as SmolLM3 counts its RoPE-free layers), RoPE off on every fourth layer, sinks."""
+    settings = layouts.Settings()
+    assert layouts.layout_fields("full", settings, 8) == {}
+    assert layouts.layout_fields("sliding", settings, 8) == {
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+        "sliding_window": 64,
+    }
+    config = decoderlab.DecoderLabConfig(num_hidden_layers=8, **layouts.layout_fields("rope_free", settings, 8))
+    assert config.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert layouts.layout_fields("sinks", settings, 8) == {"attention_sinks": True}
 
 
 def test_softmax_jacobian_norm_matches_autograd():

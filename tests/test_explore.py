@@ -86,9 +86,11 @@ def ids_of(tokenizer, text=PROMPT) -> torch.Tensor:
     return torch.tensor(tokenizer(text)["input_ids"])
 
 
-def layer0_weights(model, ids: torch.Tensor) -> torch.Tensor:
+def layer0_weights(model, ids: torch.Tensor, sink_column: bool = False) -> torch.Tensor:
     """Layer 0's attention weights written out: embeddings (+ absolute positions), the block's first norm (pre-LN),
-    q and k projections, QK-norm, RoPE from the model's tables, softmax(q k^T * scale + causal mask). (nh, T, T)."""
+    q and k projections, QK-norm, RoPE from the model's tables (unless no_rope_layers leaves layer 0 without),
+    softmax(q k^T * scale + causal mask, a sliding layer's window in it), with the sinks' logits s_h as one more
+    column where the model has sinks. (nh, T, T), or (nh, T, T + 1) with the sink's column when ``sink_column``."""
     inner, attn = model.model, model.model.layers[0].self_attn
     T = ids.numel()
     x = inner.embed_tokens(ids[None])
@@ -99,12 +101,17 @@ def layer0_weights(model, ids: torch.Tensor) -> torch.Tensor:
     k = attn.k_proj(x).view(1, T, -1, attn.head_dim)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    if inner.rotary_emb is not None:
+    if inner.rotary_emb is not None and model.config.no_rope_layers[0]:
         q, k = apply_rotary_pos_emb(q, k, *inner.rotary_emb(x, torch.arange(T)[None]), unsqueeze_dim=2)
     q, k = q.transpose(1, 2), repeat_kv(k.transpose(1, 2), attn.num_key_value_groups)
     scores = q @ k.transpose(-1, -2) * attn.scaling
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    return scores.softmax(-1)[0]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    window = model.config.sliding_window if model.config.layer_types[0] == "sliding_attention" else T
+    scores = scores.masked_fill(~((j <= i) & (i - j < window)), float("-inf"))
+    if attn.sinks is not None:
+        scores = torch.cat((scores, attn.sinks.view(1, -1, 1, 1).expand(1, -1, T, 1)), dim=-1)
+    weights = scores.softmax(-1)[0]
+    return weights if sink_column or attn.sinks is None else weights[..., :T]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,15 +182,27 @@ def test_softmax_jacobian_norm_equals_autograd_jacobian():
     assert measure.softmax_jacobian_norm(torch.tensor([1.0, 0.0, 0.0])).item() == 0.0  # saturated: no gradient
 
 
-def test_scale_sweep_equals_a_model_built_with_that_scale(model, tokenizer):
+def with_sinks(m, low: float = -1.0, high: float = 2.0):
+    """``m`` with its heads' sink logits spread over [low, high]: some heads give their sinks a large share."""
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(low, high, m.config.num_attention_heads))
+    return m
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_scale_sweep_equals_a_model_built_with_that_scale(model, tokenizer, sinks):
     """The sweep's softmax at multiplier m, computed from the weights, is the layer-0 softmax of the same model with
     attention_scale = m / sqrt(d) (layer 0 reads the same input either way): entropy, largest weight, Jacobian
-    norm. And the whole-model loss at m is that model's loss; the model's scale is restored afterwards."""
-    m = model(position_embedding_type="rope")
+    norm; with learned sinks too, whose logits the scale does not multiply (the sweep takes them from the layer).
+    And the whole-model loss at m is that model's loss; the model's scale is restored afterwards."""
+    m = model(position_embedding_type="rope", attention_sinks=sinks)
+    if sinks:
+        with_sinks(m)
     ids = ids_of(tokenizer)
     weights = measure.analyse(m, ids).attentions[0]
     multipliers = (0.25, 4.0)
-    sweep = measure.scale_sweep(weights, multipliers)
+    sweep = measure.scale_sweep(weights, multipliers, measure.layer_layout(m, 0).sink_logits)
     losses = measure.scaled_losses(m, ids, multipliers)
     for i, factor in enumerate(multipliers):
         scaled = eager(decoderlab.DecoderLabForCausalLM(m.config.__class__.from_dict(
@@ -200,6 +219,42 @@ def test_scale_sweep_equals_a_model_built_with_that_scale(model, tokenizer):
         assert losses[i] == pytest.approx(measure.analyse(scaled, ids).loss, rel=1e-5)
     assert all(layer.self_attn.scaling == m.config.head_dim**-0.5 for layer in m.model.layers)
     assert sweep["entropy"][0].mean() > sweep["entropy"][1].mean()  # a larger scale sharpens the softmax
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer layouts
+
+S, F = "sliding_attention", "full_attention"
+LAYOUT = dict(layer_types=[S, F], sliding_window=4, no_rope_layers=[1, 0], attention_sinks=True)
+
+
+def test_layer_layout_reads_each_layers_window_rope_and_sinks(model):
+    """layer_layout says what each layer was built with: layer 0 slides over 4 tokens with RoPE, layer 1 attends to
+    everything without RoPE, both have their own sink logits; a plain model's layers have none of it, and a model
+    without RoPE rotates in no layer."""
+    m = with_sinks(model(**LAYOUT))
+    first, second = measure.layer_layout(m, 0), measure.layer_layout(m, 1)
+    assert (first.sliding_window, first.rope, second.sliding_window, second.rope) == (4, True, None, False)
+    torch.testing.assert_close(first.sink_logits, m.model.layers[0].self_attn.sinks.detach())
+    plain = measure.layer_layout(model(), 1)
+    assert (plain.sliding_window, plain.rope, plain.sink_logits) == (None, True, None)
+    assert not measure.layer_layout(model(position_embedding_type="learned"), 0).rope
+
+
+def test_a_sliding_layers_weights_and_its_sinks_shares_are_the_layers_softmax(model, tokenizer):
+    """The analysis' layer-0 weights of a sliding layer with sinks equal the softmax written out here (the window in
+    the mask, the sink's logit in the denominator): zero outside window_mask, and sink_shares is the mean of the
+    sink's column over queries 1..T-1."""
+    m = with_sinks(model(**LAYOUT))
+    ids = ids_of(tokenizer)
+    weights = measure.analyse(m, ids).attentions[0]
+    reference = layer0_weights(m, ids, sink_column=True).detach()
+    T = ids.numel()
+    torch.testing.assert_close(weights, reference[..., :T], rtol=1e-5, atol=1e-6)
+    assert weights[:, ~measure.window_mask(T, 4)].abs().max() == 0
+    assert measure.window_mask(T, 4).sum() == sum(min(i + 1, 4) for i in range(T))
+    torch.testing.assert_close(measure.sink_shares(weights), reference[:, 1:, T].mean(-1), rtol=1e-5, atol=1e-6)
+    assert measure.sink_shares(weights).min() > 0.01
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,6 +512,45 @@ def test_out_of_range_controls_become_messages(explorer):
     assert "Temperature -1.0 must be 0 (greedy) or positive" in messages(ex.generation(PROMPT, 5, -1))[0]
     assert "top-p 1.5 must be in (0, 1]" in messages(ex.generation(PROMPT, 5, 1.0, 0, 1.5))[0]
     assert "outside 1..200" in messages(ex.generation(PROMPT, 0))[0]
+
+
+def test_the_views_show_a_sliding_window_a_rope_free_layer_and_each_heads_sink(explorer):
+    """A sliding layer's map hatches exactly the cells outside its window (their weight is 0) and its page says how
+    wide the window is; a full layer's map hatches none. The attention view of a model with sinks shows each head's
+    share to its sink on the prompt and its learned logit; the positions view of a RoPE-free layer says the layer
+    applies no RoPE and draws no RoPE curve, and of a sliding RoPE layer says which offsets it scores. The summary
+    names all three. A plain model's views show none of it."""
+    ex = explorer(**LAYOUT)
+    with_sinks(ex.model)
+    page = ex.attention(PROMPT, 0, 1)
+    assert not messages(page)
+    cells = re.findall(r'<rect [^>]*data-r="(\d+)" data-c="(\d+)" data-v="([^"]+)"( data-outside)?', page)
+    outside = {(int(r), int(c)) for r, c, _, mark in cells if mark}
+    assert outside == {(r, c) for r, c, _, _ in ((int(a), int(b), v, m) for a, b, v, m in cells) if r - c >= 4}
+    assert outside and all(float(v) == 0 for r, c, v, mark in cells if mark)
+    assert 'data-window="4"' in page and "each query sees itself and the 3 tokens before it" in text(page)
+    assert "data-outside" not in ex.attention(PROMPT, 1, 0)
+    analysis = ex.analysis(PROMPT)[1]
+    table = re.search(r'<table class="numbers head-summary">(.*?)</table>', page, flags=re.S)[1]
+    assert "to its sink" in table and "sink logit" in table
+    rows = [[float(v) for v in re.findall(r'data-value="([^"]+)"', row)] for row in re.findall(r"<tr.*?</tr>", table)[1:]]
+    shares = measure.sink_shares(analysis.attentions[0])
+    for h, row in enumerate(rows):
+        assert row[-2] == pytest.approx(shares[h].item(), rel=1e-6)
+        assert row[-1] == pytest.approx(ex.model.model.layers[0].self_attn.sinks[h].item(), rel=1e-6)
+    rope_free = ex.positions(PROMPT, 1, 0, -1, 0)
+    assert 'class="rope-free"' in rope_free and "rope-curve" not in rope_free and not messages(rope_free)
+    assert "Layer 1 applies no RoPE" in text(rope_free) and "Layer 0 applies RoPE" in text(rope_free)
+    sliding = ex.positions(PROMPT, 0, 0, -1, 0)
+    assert "rope-curve" in sliding and "it only ever scores offsets 0 to 3" in text(sliding)
+    summary = text(ex.summary())
+    assert "a sliding window of 4 tokens on layer 0" in summary and "no RoPE on layer 1" in summary
+    assert "a learned attention sink per head" in summary
+    plain = explorer()
+    page = plain.attention(PROMPT, 0, 0)
+    assert "data-outside" not in page and "to its sink" not in page and 'class="layer-layout"' not in page
+    assert "sliding window" not in text(plain.summary()) and "attention sink" not in text(plain.summary())
+    assert 'class="rope-free"' not in plain.positions(PROMPT, 1, 0, -1, 0)
 
 
 def test_a_backend_without_weights_gets_a_message_and_the_other_views_work(explorer):

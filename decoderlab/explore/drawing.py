@@ -145,6 +145,7 @@ def heatmap_svg(
     diverging: bool = False,
     gamma: float = 1.0,
     causal: bool = False,
+    window: int | None = None,
     cls: str = "heatmap",
     attributes: str = "",
     describe=None,
@@ -152,7 +153,8 @@ def heatmap_svg(
 ) -> str:
     """An SVG heatmap of ``matrix`` (R, C), one rect per cell (above the diagonal left out when ``causal``), each
     with ``data-r``, ``data-c``, ``data-v`` (the exact value) and a tooltip ``describe(r, c, v)``; the labels are
-    drawn along the axes when the cells are large enough to read them."""
+    drawn along the axes when the cells are large enough to read them. With ``window`` (a sliding layer's), the
+    cells a query cannot see, ``window`` or more tokens back, are hatched grey and marked ``data-outside``."""
     m = matrix.detach().double().cpu().numpy() if isinstance(matrix, torch.Tensor) else np.asarray(matrix, float)
     R, C = m.shape
     cell = max(3, min(22, max_pixels // max(R, C)))
@@ -161,14 +163,17 @@ def heatmap_svg(
     top = 40 if labelled else 4
     rgb = colours(normalise(m, vmin, vmax, gamma, diverging), DIVERGING if diverging else SEQUENTIAL)
     describe = describe or (lambda r, c, v: f"row {r}, column {c}: {fmt(v)}")
-    parts = []
+    parts = [OUTSIDE_PATTERN] if window is not None else []
     for r in range(R):
         for c in range(C if not causal else min(C, r + 1)):
             v = m[r, c]
+            outside = window is not None and r - c >= window
+            fill = "url(#dlx-outside)" if outside else hex_colour(rgb[r, c])
+            title = describe(r, c, v) + (f" (outside the window of {window} tokens)" if outside else "")
             parts.append(
                 f'<rect x="{left + c * cell}" y="{top + r * cell}" width="{cell}" height="{cell}" '
-                f'fill="{hex_colour(rgb[r, c])}" data-r="{r}" data-c="{c}" data-v="{exact(v)}">'
-                f"<title>{esc(describe(r, c, v))}</title></rect>"
+                f'fill="{fill}" data-r="{r}" data-c="{c}" data-v="{exact(v)}"{" data-outside" if outside else ""}>'
+                f"<title>{esc(title)}</title></rect>"
             )
     if labelled:
         font = min(12, cell - 1)
@@ -188,6 +193,14 @@ def heatmap_svg(
         f'<svg class="{cls}" {attributes} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}">{border}{"".join(parts)}</svg>'
     )
+
+
+# Grey diagonal hatching: the cells of a sliding layer's map that lie outside its window
+OUTSIDE_PATTERN = (
+    '<defs><pattern id="dlx-outside" width="4" height="4" patternUnits="userSpaceOnUse" '
+    'patternTransform="rotate(45)"><rect width="4" height="4" fill="#eef0f3"/>'
+    '<line x1="0" y1="0" x2="0" y2="4" stroke="#b9bfc8" stroke-width="1.5"/></pattern></defs>'
+)
 
 
 def colour_bar(vmin: float, vmax: float, diverging: bool = False, label: str = "", gamma: float = 1.0) -> str:

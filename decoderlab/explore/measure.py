@@ -157,17 +157,32 @@ def head_summary(weights: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def scale_sweep(weights: torch.Tensor, multipliers: Sequence[float] = SCALE_MULTIPLIERS) -> dict[str, torch.Tensor]:
+def scale_sweep(
+    weights: torch.Tensor, multipliers: Sequence[float] = SCALE_MULTIPLIERS, sink_logits: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """(M, nh) entropy, largest weight and softmax-Jacobian norm per head when one layer's scores Q K^T * scale
     (weights (nh, T, T)) are multiplied by each of ``multipliers``, averaged over queries 1..T-1.
 
     The scores come back from the weights: a softmax row is unchanged by adding a constant, so
     softmax(m * log w) = softmax(m * scores) row by row (masked keys have w = 0, log w = -inf, and stay masked;
-    a weight that underflowed to 0 in float32 was below e^-103 and stays negligible at m >= 1/4)."""
+    a weight that underflowed to 0 in float32 was below e^-103 and stays negligible at m >= 1/4).
+
+    With learned sinks (``sink_logits`` (nh,): s_h, which the scale does not multiply) a row's weights are
+    exp(score) / Z with Z = exp(s_h) + sum exp(score), and the sink's share 1 - sum w is exp(s_h) / Z: so
+    log Z = s_h - log(1 - sum w) gives the scores back, and the scaled weights are softmax over the m * scores and
+    s_h, the sink's column dropped, as the layer computes them."""
     log_w = weights[:, 1:].double().log()  # (nh, T-1, T)
+    sink = None
+    if sink_logits is not None:
+        sink = sink_logits.double()[:, None, None].expand(*log_w.shape[:2], 1)  # (nh, T-1, 1)
+        missing = (1 - weights[:, 1:].double().sum(-1, keepdim=True)).clamp_min(1e-30)  # the sink's share
+        log_w = log_w + sink - missing.log()  # the scores themselves
     stats = {"entropy": [], "max_weight": [], "jacobian_norm": []}
     for m in multipliers:
-        w = torch.softmax(m * log_w, dim=-1)
+        if sink is None:
+            w = torch.softmax(m * log_w, dim=-1)
+        else:
+            w = torch.softmax(torch.cat((m * log_w, sink), dim=-1), dim=-1)[..., :-1]
         stats["entropy"].append(entropy(w).mean(-1))
         stats["max_weight"].append(w.amax(-1).mean(-1))
         stats["jacobian_norm"].append(softmax_jacobian_norm(w).mean(-1))
@@ -192,6 +207,44 @@ def scaled_losses(model, input_ids: torch.Tensor, multipliers: Sequence[float] =
         for module, scaling in zip(modules, original):
             module.scaling = scaling
     return losses
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer layouts: a sliding layer's window, a RoPE-free layer, each head's sink
+
+
+@dataclass
+class LayerLayout:
+    """What one layer's attention does besides the plain causal softmax, read from the layer as it was built."""
+
+    sliding_window: int | None  # tokens a query sees, itself included; None: every earlier token (full attention)
+    rope: bool  # whether it rotates its queries and keys (False: a RoPE-free layer, or a model without RoPE)
+    sink_logits: torch.Tensor | None  # (nh,) the learned sink logit s_h of each head; None: no sinks
+
+
+def layer_layout(model, layer: int) -> LayerLayout:
+    """Layer ``layer``'s window (``layer_types``, ``sliding_window``), RoPE (``no_rope_layers``) and sinks
+    (``attention_sinks``), from its attention module's own attributes; a checkpoint's older code that has none of
+    them has full attention, RoPE where its positions are RoPE, and no sinks."""
+    attn = decoder_layers(model)[layer].self_attn
+    skips_rope = hasattr(attn, "rotary") and attn.rotary is None
+    rope = model.config.position_embedding_type == "rope" and not skips_rope
+    sinks = getattr(attn, "sinks", None)
+    logits = sinks.detach().float().cpu() if sinks is not None else None
+    return LayerLayout(getattr(attn, "sliding_window", None), rope, logits)
+
+
+def window_mask(T: int, window: int | None) -> torch.Tensor:
+    """(T, T) True where query i may attend to key j: j <= i and, in a sliding layer, i - j < window."""
+    offset = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # i - j
+    return (offset >= 0) & (offset < window) if window is not None else offset >= 0
+
+
+def sink_shares(weights: torch.Tensor) -> torch.Tensor:
+    """(nh,) the share of each head's attention that went to its sink, 1 minus the sum of a row of weights
+    (nh, T, T) (the sink's column is dropped after the softmax), averaged over the queries 1..T-1 as
+    ``head_summary`` averages; NaN for T = 1."""
+    return (1 - weights[:, 1:].double().sum(-1)).mean(-1).float()
 
 
 # ----------------------------------------------------------------------------------------------

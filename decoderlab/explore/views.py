@@ -177,9 +177,46 @@ class Explorer:
             f"<p><b>{d.esc(self.loaded.source)}</b>{d.esc(origin)}{d.esc(code)}: {c.num_hidden_layers} layers × "
             f"{c.hidden_size} wide, {c.num_attention_heads} query heads and {c.num_key_value_heads} key/value heads "
             f"({attention_kind(c)}), {POSITION_NAMES[c.position_embedding_type]} positions, {layout} {c.norm_type}, "
-            f"{params / 1e6:.2f}M parameters, {c.max_position_embeddings} positions, vocabulary {c.vocab_size}; "
-            f"attention backend <code>{d.esc(c._attn_implementation)}</code>.</p>"
+            f"{params / 1e6:.2f}M parameters, {c.max_position_embeddings} positions, vocabulary {c.vocab_size}"
+            f"{d.esc(self.layouts_text())}; attention backend <code>{d.esc(c._attn_implementation)}</code>.</p>"
         )
+
+    def layouts(self) -> list[measure.LayerLayout]:
+        return [measure.layer_layout(self.model, i) for i in range(self.config.num_hidden_layers)]
+
+    def layouts_text(self) -> str:
+        """The per-layer layouts the model has, for the summary line ("" for a plain model): which layers slide and
+        with what window, which skip RoPE, and whether the heads have sinks."""
+        layouts, parts = self.layouts(), []
+        windows = sorted({x.sliding_window for x in layouts if x.sliding_window is not None})
+        for window in windows:
+            layers = [i for i, x in enumerate(layouts) if x.sliding_window == window]
+            parts.append(f"a sliding window of {window} tokens on layer{'s' if len(layers) > 1 else ''} "
+                         f"{', '.join(map(str, layers))}")  # fmt: skip
+        if self.config.position_embedding_type == "rope":
+            free = [i for i, x in enumerate(layouts) if not x.rope]
+            if free:
+                parts.append(f"no RoPE on layer{'s' if len(free) > 1 else ''} {', '.join(map(str, free))}")
+        if any(x.sink_logits is not None for x in layouts):
+            parts.append("a learned attention sink per head")
+        return f", {', '.join(parts)}" if parts else ""
+
+    def layer_text(self, layer: int, layout: measure.LayerLayout) -> str:
+        """What layer ``layer``'s attention does besides the plain causal softmax, in a sentence or three ("" if
+        nothing)."""
+        parts = []
+        if layout.sliding_window is not None:
+            w = layout.sliding_window
+            parts.append(f"Layer {layer} is a sliding layer: each query sees itself and the {w - 1} tokens before it "
+                         f"(sliding_window = {w}); the hatched cells lie outside its window and get no weight.")  # fmt: skip
+        if self.config.position_embedding_type == "rope" and not layout.rope:
+            parts.append(f"Layer {layer} applies no RoPE (no_rope_layers): its scores do not depend on where a token "
+                         "sits, only on the causal mask.")  # fmt: skip
+        if layout.sink_logits is not None:
+            parts.append(f"Each head of layer {layer} has a learned sink: a logit s_h in the softmax's denominator "
+                         "that takes a share of the attention and passes on no value, so a row of weights sums to "
+                         "less than 1.")  # fmt: skip
+        return " ".join(parts)
 
     def prompt_status(self, prompt: str) -> str:
         return self.guarded(self._prompt_status, prompt)
@@ -230,19 +267,25 @@ class Explorer:
         def describe(r, c, v):
             return f"query {r} {tokens[r]!r} → key {c} {tokens[c]!r}: {v:.4f}"
 
+        layout = measure.layer_layout(self.model, layer)
+        window = f' data-window="{layout.sliding_window}"' if layout.sliding_window is not None else ""
         detail = d.heatmap_svg(
             weights[head], tokens, tokens, vmin=0.0, vmax=1.0, gamma=0.5, causal=True, cls="attention-map",
-            attributes=f'data-layer="{layer}" data-head="{head}"', describe=describe,
+            window=layout.sliding_window, attributes=f'data-layer="{layer}" data-head="{head}"{window}',
+            describe=describe,
         )  # fmt: skip
         summary = measure.head_summary(weights)
+        header = ["head", "entropy (nats)", "largest weight", "look-back (tokens)", "on previous token", "on first token"]  # fmt: skip
         rows = [
             [f"{h}", *(float(summary[k][h]) for k in ("entropy", "max_weight", "look_back", "previous", "first"))]
             for h in range(weights.shape[0])
         ]
-        summary_table = d.table(
-            ["head", "entropy (nats)", "largest weight", "look-back (tokens)", "on previous token", "on first token"],
-            rows, cls="head-summary", chosen=head,
-        )  # fmt: skip
+        if layout.sink_logits is not None:  # what each head gives its sink on this prompt, and the logit it learned
+            header += ["to its sink", "sink logit s<sub>h</sub>"]
+            shares = measure.sink_shares(weights)
+            rows = [row + [float(shares[h]), float(layout.sink_logits[h])] for h, row in enumerate(rows)]
+        summary_table = d.table(header, rows, cls="head-summary", chosen=head)
+        about = self.layer_text(layer, layout)
         thumbs = "".join(
             f'<figure class="{"chosen" if h == head else ""}"><img alt="layer {layer} head {h}" '
             f'src="{d.png_heatmap(weights[h], 0.0, 1.0, pixels=110, gamma=0.5)}"><figcaption>head {h}</figcaption></figure>'
@@ -256,6 +299,7 @@ class Explorer:
                 "vanishes (Vaswani et al. 2017, section 3.2.1)."
             ),
             f"<h3>Layer {layer}, head {head}: attention weights (rows: queries, columns: keys)</h3>",
+            f'<p class="layer-layout">{d.esc(about)}</p>' if about else "",
             f'<div class="row"><div>{detail}<br>{d.colour_bar(0.0, 1.0, gamma=0.5, label="weight")}</div><div class="side">',
             f"<h4>The heads of layer {layer}</h4>{summary_table}",
             f"<p>Averaged over the queries 1..{T - 1} (the first token can only attend to itself). A uniform row "
@@ -268,7 +312,7 @@ class Explorer:
 
     def scale_section(self, prompt: str, analysis: measure.Analysis, weights, layer: int, head: int) -> str:
         multipliers = measure.SCALE_MULTIPLIERS
-        sweep = measure.scale_sweep(weights, multipliers)
+        sweep = measure.scale_sweep(weights, multipliers, measure.layer_layout(self.model, layer).sink_logits)
         scale = self.model.model.layers[layer].self_attn.scaling
         rows = []
         for i, m in enumerate(multipliers):
@@ -424,7 +468,10 @@ class Explorer:
         kind = self.config.position_embedding_type
         encoded, analysis = self.analysis(prompt)
         if kind == "rope":
-            return self.rope_view(encoded, analysis, self.check_layer(layer), self.check_head(head), query, key)
+            layer = self.check_layer(layer)
+            if not measure.layer_layout(self.model, layer).rope:
+                return self.rope_free_view(layer)
+            return self.rope_view(encoded, analysis, layer, self.check_head(head), query, key)
         if kind in ("sinusoidal", "learned"):
             return self.absolute_view(kind)
         return self.permutation_view(encoded)
@@ -472,12 +519,41 @@ class Explorer:
             ),
             f"<p>Layer {layer}, head {head}: the query of token {qi} <span class='tok'>{d.esc(encoded.tokens[qi])}"
             f"</span> and the key of token {ki} <span class='tok'>{d.esc(encoded.tokens[ki])}</span>, as the layer "
-            "projects them, placed at positions m (query) and n (key) by the model's own rotary module.</p>",
+            "projects them, placed at positions m (query) and n (key) by the model's own rotary module."
+            f"{d.esc(self.window_offsets(layer))}</p>",
             deviation,
             f'<div class="row"><div><h4>Score against the offset (key at 0)</h4>{chart}</div>'
             f'<div><h4>Score at each pair of positions (constant along diagonals)</h4>{map_svg}<br>'
             f'{d.colour_bar(low, high, label="score")}</div>'
             f'<div><h4>Some offsets</h4>{d.table(["offset", "score"], offset_rows, cls="rope-offsets")}</div></div>',
+            cls="dlx view-positions",
+        )
+
+    def window_offsets(self, layer: int) -> str:
+        """For a sliding layer, which of the offsets drawn it ever scores ("" for a full layer)."""
+        window = measure.layer_layout(self.model, layer).sliding_window
+        if window is None:
+            return ""
+        return (f" Layer {layer} is a sliding layer: it only ever scores offsets 0 to {window - 1} (sliding_window = "
+                f"{window}); the larger ones show the rotation alone.")  # fmt: skip
+
+    def rope_free_view(self, layer: int) -> str:
+        """A layer that ``no_rope_layers`` leaves without RoPE: what that means, and the layers that rotate."""
+        rotating = [i for i, x in enumerate(self.layouts()) if x.rope]
+        if rotating:
+            which = f"Layers {', '.join(map(str, rotating))} apply" if len(rotating) > 1 else f"Layer {rotating[0]} applies"
+            others = f"{which} RoPE: choose one to see the score against the offset."
+        else:
+            others = "No layer of this model applies RoPE."
+        return d.div(
+            d.claim(
+                "A layer without RoPE scores a query and a key by their content alone, q·k/√d<sub>k</sub>, the same "
+                "wherever the two sit; it knows the order of the tokens only through the causal mask (NoPE; SmolLM3 "
+                "leaves every fourth layer so)."
+            ),
+            f'<p class="rope-free" data-layer="{layer}">Layer {layer} applies no RoPE (<code>no_rope_layers[{layer}] '
+            f"= 0</code>): its queries and keys are not rotated, so its scores do not change when the tokens move. "
+            f"{d.esc(others)}</p>",
             cls="dlx view-positions",
         )
 
