@@ -1,7 +1,7 @@
 """What sliding windows on three of four layers cost and save on a CPU: training, the forward and decoding against
 full attention on the same attention backend, side by side, and the KV cache a long generation keeps.
 
-    python -m benchmarks.layouts --json_out benchmarks/results/layouts.json   # about 10 minutes on 2 cores
+    python -m benchmarks.layouts --json_out benchmarks/results/layouts.json   # about 3 minutes on 2 cores
     python -m benchmarks.layouts --quick                                     # tiny shapes, one round: it runs
 
 Two models of the llama preset at the nano shape (4 layers x 128, 4 heads, vocabulary 65), with the same weights:

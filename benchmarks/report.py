@@ -697,6 +697,8 @@ TABLES = [
     ),
     Table("export-formats", ("export_formats.json",), "export-formats.md", export_rows),
     Table("gguf", ("gguf_export.json",), "export-formats.md", gguf_rows),
+    Table("layouts", ("layouts.json",), "layouts.md", layouts_rows),
+    Table("layouts-cache", ("layouts.json",), "layouts.md", layouts_cache_rows),
     Table("vllm", ("vllm_speed.json",), "vllm.md", vllm_rows),
     CPU_BF16,
     Table("nanogpt-gap", ("nanogpt_gap.json", "nanogpt_gap-second-run.json"), "nanogpt-gap.md", nanogpt_gap_rows),

@@ -101,7 +101,9 @@ def rule_for(role: Role, optimizer: str, parametrization: str) -> Rule:
     for rule in RULES:
         if rule.role == role and rule.optimizer in (optimizer, ANY) and rule.parametrization in (parametrization, ANY):
             return rule
-    raise ValueError(f"No rule for a {role} parameter with optimizer={optimizer!r} and parametrization={parametrization!r}.")
+    raise ValueError(
+        f"No rule for a {role} parameter with optimizer={optimizer!r} and parametrization={parametrization!r}."
+    )
 
 
 def init_of(role: Role) -> str:

@@ -215,7 +215,9 @@ def colour_bar(vmin: float, vmax: float, diverging: bool = False, label: str = "
         if gamma != 1.0
         else ""
     )
-    rects = "".join(f'<rect x="{i * 4}" y="0" width="4" height="10" fill="{hex_colour(c)}"/>' for i, c in enumerate(rgb))
+    rects = "".join(
+        f'<rect x="{i * 4}" y="0" width="4" height="10" fill="{hex_colour(c)}"/>' for i, c in enumerate(rgb)
+    )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{steps * 4 + 150}" height="26">{rects}'
         f'<text x="0" y="23" font-size="11">{esc(fmt(vmin))}</text>'

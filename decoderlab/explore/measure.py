@@ -345,7 +345,10 @@ def rope_offsets(model, layer: int, head: int, query_input: torch.Tensor, key_in
     def deviation(rope) -> tuple[torch.Tensor, float]:
         base = rope_scores(model, rope, q, k, offsets, torch.zeros_like(offsets), scaling)
         worst = max(
-            (rope_scores(model, rope, q, k, offsets + s, torch.full_like(offsets, s), scaling) - base).abs().max().item()
+            (rope_scores(model, rope, q, k, offsets + s, torch.full_like(offsets, s), scaling) - base)
+            .abs()
+            .max()
+            .item()
             for s in shifts
         )
         return base, worst

@@ -104,8 +104,7 @@ class Explorer:
             raise ExploreError("The prompt gives no tokens at all: type some text for the model to read.")
         if len(ids) > self.max_tokens:
             limit = (
-                f"this model has positions for {self.config.max_position_embeddings} tokens "
-                f"(max_position_embeddings)"
+                f"this model has positions for {self.config.max_position_embeddings} tokens (max_position_embeddings)"
                 if self.max_tokens == self.config.max_position_embeddings
                 else f"the explorer draws maps for at most {MAX_TOKENS} tokens"
             )
@@ -233,13 +232,17 @@ class Explorer:
     def check_layer(self, layer) -> int:
         layer = int(layer)
         if not 0 <= layer < self.config.num_hidden_layers:
-            raise ExploreError(f"Layer {layer} does not exist: this model has layers 0 to {self.config.num_hidden_layers - 1}.")
+            raise ExploreError(
+                f"Layer {layer} does not exist: this model has layers 0 to {self.config.num_hidden_layers - 1}."
+            )
         return layer
 
     def check_head(self, head) -> int:
         head = int(head)
         if not 0 <= head < self.config.num_attention_heads:
-            raise ExploreError(f"Head {head} does not exist: this model has heads 0 to {self.config.num_attention_heads - 1}.")
+            raise ExploreError(
+                f"Head {head} does not exist: this model has heads 0 to {self.config.num_attention_heads - 1}."
+            )
         return head
 
     def no_weights(self) -> str:
@@ -330,12 +333,21 @@ class Explorer:
         )  # fmt: skip
         charts = "".join(
             d.line_chart(
-                multipliers, {f"head {h}": numbers_of(sweep[key][:, h]) for h in range(weights.shape[0])},
-                x_label="scale multiplier", y_label=label, log_x=True, x_ticks=multipliers, width=330, height=230,
+                multipliers,
+                {f"head {h}": numbers_of(sweep[key][:, h]) for h in range(weights.shape[0])},
+                x_label="scale multiplier",
+                y_label=label,
+                log_x=True,
+                x_ticks=multipliers,
+                width=330,
+                height=230,
                 highlight=f"head {head}",
             )  # fmt: skip
-            for key, label in (("entropy", "entropy (nats)"), ("max_weight", "largest weight"),
-                               ("jacobian_norm", "‖∂softmax/∂scores‖"))  # fmt: skip
+            for key, label in (
+                ("entropy", "entropy (nats)"),
+                ("max_weight", "largest weight"),
+                ("jacobian_norm", "‖∂softmax/∂scores‖"),
+            )  # fmt: skip
         )
         return (
             f"<h3>The scale: layer {layer}'s scores Q·K<sup>T</sup>·scale multiplied by ¼ … 4</h3>"
@@ -504,7 +516,7 @@ class Explorer:
             max_pixels=330,
         )  # fmt: skip
         deviation = (
-            f'<p>Largest change of the score when both positions shift together by {", ".join(map(str, offsets.shifts))}'
+            f"<p>Largest change of the score when both positions shift together by {', '.join(map(str, offsets.shifts))}"
             f" over offsets 0..{len(offsets.offsets) - 1}: "
             f'<b class="rope-deviation" data-value="{d.exact(offsets.deviation)}">{d.fmt(offsets.deviation, 3)}</b> '
             f"in float64 (rounding error, against scores up to {d.fmt(offsets.score_scale)}); "
@@ -523,9 +535,9 @@ class Explorer:
             f"{d.esc(self.window_offsets(layer))}</p>",
             deviation,
             f'<div class="row"><div><h4>Score against the offset (key at 0)</h4>{chart}</div>'
-            f'<div><h4>Score at each pair of positions (constant along diagonals)</h4>{map_svg}<br>'
-            f'{d.colour_bar(low, high, label="score")}</div>'
-            f'<div><h4>Some offsets</h4>{d.table(["offset", "score"], offset_rows, cls="rope-offsets")}</div></div>',
+            f"<div><h4>Score at each pair of positions (constant along diagonals)</h4>{map_svg}<br>"
+            f"{d.colour_bar(low, high, label='score')}</div>"
+            f"<div><h4>Some offsets</h4>{d.table(['offset', 'score'], offset_rows, cls='rope-offsets')}</div></div>",
             cls="dlx view-positions",
         )
 
@@ -541,7 +553,9 @@ class Explorer:
         """A layer that ``no_rope_layers`` leaves without RoPE: what that means, and the layers that rotate."""
         rotating = [i for i, x in enumerate(self.layouts()) if x.rope]
         if rotating:
-            which = f"Layers {', '.join(map(str, rotating))} apply" if len(rotating) > 1 else f"Layer {rotating[0]} applies"
+            which = (
+                f"Layers {', '.join(map(str, rotating))} apply" if len(rotating) > 1 else f"Layer {rotating[0]} applies"
+            )
             others = f"{which} RoPE: choose one to see the score against the offset."
         else:
             others = "No layer of this model applies RoPE."
@@ -583,7 +597,7 @@ class Explorer:
             "<code>embed_positions</code>). Largest spread along one diagonal (0 if only the offset counts): "
             f'<b class="offset-spread" data-value="{d.exact(result.offset_spread)}">{d.fmt(result.offset_spread, 3)}</b>.</p>',
             f'<div class="row"><div>{matrix}<br>{d.colour_bar(-1.0, 1.0, diverging=True, label="cosine similarity")}'
-            f'</div><div>{chart}{d.table(["offset", "mean similarity"], rows, cls="offset-similarity")}</div></div>',
+            f"</div><div>{chart}{d.table(['offset', 'mean similarity'], rows, cls='offset-similarity')}</div></div>",
             cls="dlx view-positions",
         )
 
@@ -621,7 +635,7 @@ class Explorer:
             f'<div><h4>Shuffled (all but the last token)</h4><div class="prompt">{d.esc(permuted_text)}</div></div>'
             "</div>",
             f'<div class="row"><div><h4>The last token\'s residual stream, shuffled against original</h4>{chart}'
-            f'{d.table(["depth", "relative change"], depth_rows, cls="permutation-depths")}</div>'
+            f"{d.table(['depth', 'relative change'], depth_rows, cls='permutation-depths')}</div>"
             f"<div><h4>What the model predicts next</h4>{both}</div></div>",
             cls="dlx view-positions",
         )
@@ -776,8 +790,10 @@ class Explorer:
             ("Heads", self.heads(prompt, layer)),
             ("Positions", self.positions(prompt, layer, head, -1, 0)),
             ("Norm placement", self.norms(prompt)),
-            ("Generation", self.generation(prompt, steps, sampling["temperature"], sampling["top_k"],
-                                           sampling["top_p"], seed)),  # fmt: skip
+            (
+                "Generation",
+                self.generation(prompt, steps, sampling["temperature"], sampling["top_k"], sampling["top_p"], seed),
+            ),  # fmt: skip
         ]
         body = "".join(f'<section><h2 id="{title.lower().replace(" ", "-")}">{title}</h2>{content}</section>'
                        for title, content in sections)  # fmt: skip
