@@ -179,8 +179,11 @@ class DecoderLabConfig(PreTrainedConfig):
     """Dropout on the embeddings and on each sublayer's output, in training."""
     tie_word_embeddings: bool = False
     """Share ``lm_head.weight`` with ``embed_tokens.weight``."""
-    initializer_range: float = 0.02
-    """Standard deviation of the normal initialisation."""
+    initializer_range: float | None = None
+    """Standard deviation of the normal initialisation (``None``: 0.02, GPT-2's; under muP the standard deviation at
+    the base width, ``None``: 1/sqrt(mup_base_width), Tensor Programs V's variance 1/fan_in there, which muP's 1/sqrt(m)
+    carries to every width. A base model's 0.02 is GPT-2's value for width 768: at a base width of 64 it starts
+    every hidden matrix 6x colder than 1/sqrt(fan_in), and muP keeps it that cold at every width)."""
     scale_residual_init: bool = True
     """GPT-2's initialisation of the residual output projections (``o_proj``, ``down_proj``): std / sqrt(2 x layers).
     Drawn on the projections themselves, so it holds on every transformers release; saved checkpoints are not
@@ -198,8 +201,8 @@ class DecoderLabConfig(PreTrainedConfig):
     learning rate and initialisation tuned at ``mup_base_width`` stay right at any width. With the width multiplier
     m = hidden_size / mup_base_width: the hidden matrices (q/k/v/o and the MLP's projections) draw with std
     ``initializer_range`` / sqrt(m) and train at the learning rate / m under Adam (the training scripts'
-    ``training/optim.py``); the attention scale is 1/head_dim instead of 1/sqrt(head_dim) (unless
-    ``attention_scale`` is set: then that fixed factor is used at every width); the logits are multiplied by
+    ``training/optim.py``); the attention scale is sqrt(base head_dim)/head_dim instead of 1/sqrt(head_dim)
+    (``mup_attention_multiplier``; unless ``attention_scale`` is set: then that fixed factor is used at every width); the logits are multiplied by
     ``mup_output_multiplier`` / m (``logit_scale``), in the forward pass, so a tied ``lm_head`` works. Embeddings,
     an untied ``lm_head``, norms and biases keep their initialisation and learning rate. Each matrix takes m from its
     own sides (``mup_base_shapes``: every dimension grows with ``hidden_size`` unless it says otherwise);
@@ -207,7 +210,7 @@ class DecoderLabConfig(PreTrainedConfig):
     mup_base_width: int | None = None
     """muP's base width: the ``hidden_size`` the learning rate and initialisation were tuned at (needed with
     ``parametrization="mup"``, from 1 to ``hidden_size``; read by nothing else). At ``hidden_size ==
-    mup_base_width`` a muP model is the standard one but for its 1/head_dim attention scale."""
+    mup_base_width`` a muP model is the standard one."""
     mup_base_shapes: dict | None = None
     """muP's base model: its ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads`` and ``head_dim``
     (its ``hidden_size`` is ``mup_base_width``). Each matrix's width multipliers are its own sides' widths over the base
@@ -219,6 +222,14 @@ class DecoderLabConfig(PreTrainedConfig):
     mup_output_multiplier: float = 1.0
     """muP's output multiplier alpha_out, tuned at the base width like a learning rate: the logits are multiplied by
     alpha_out / m. Read only with ``parametrization="mup"``."""
+    mup_attention_multiplier: float | None = None
+    """muP's attention multiplier alpha_attn: the attention scale is alpha_attn / head_dim (Tensor Programs V, section
+    4; microsoft/mup's ``attn_mult``). ``None``: sqrt of the base model's head_dim (``mup_base_shapes``), so that at
+    its base width a muP model attends exactly as the standard one, 1/sqrt(head_dim), and heads wider than the base's
+    go as 1/head_dim from there (where the heads grow in number and keep their width, the base shapes' default, the
+    scale stays the standard one). 1.0 is the uncorrected 1/head_dim, which at the base width already scales the logits down by
+    sqrt(head_dim): the rule of muP checkpoints saved before base shapes were recorded, which keep it when loaded.
+    Read only with ``parametrization="mup"``."""
     final_logit_softcapping: float | None = None
     """Soft-cap the logits, z -> c * tanh(z / c) with c this value, right after ``lm_head`` (Gemma 2's field: the loss
     and generation both see the capped logits); ``None``: logits as they are. A logit can then never exceed c in
@@ -312,6 +323,8 @@ class DecoderLabConfig(PreTrainedConfig):
         self._check_layer_types()
         self.no_rope_layers = self._resolve_no_rope_layers()
         self._check_parametrization()
+        if self.initializer_range is None:
+            self.initializer_range = self.mup_base_width**-0.5 if is_mup(self) else 0.02
 
     def _check_layer_types(self) -> None:
         n, window = self.num_hidden_layers, self.sliding_window
@@ -383,7 +396,8 @@ class DecoderLabConfig(PreTrainedConfig):
     def _check_parametrization(self) -> None:
         if not is_mup(self):
             given = [f"{name}={getattr(self, name)!r}" for name, unset in (("mup_base_width", None),
-                     ("mup_base_shapes", None), ("mup_output_multiplier", 1.0)) if getattr(self, name) != unset]  # fmt: skip
+                     ("mup_base_shapes", None), ("mup_output_multiplier", 1.0), ("mup_attention_multiplier", None))
+                     if getattr(self, name) != unset]  # fmt: skip
             if given:
                 raise ValueError(
                     f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} read only with parametrization='mup', "
@@ -406,6 +420,12 @@ class DecoderLabConfig(PreTrainedConfig):
                 f"mup_output_multiplier must be a finite positive number (1.0: the logits are divided by the width "
                 f"multiplier alone), got {self.mup_output_multiplier}."
             )
+        attention = self.mup_attention_multiplier
+        if attention is not None and not (math.isfinite(attention) and attention > 0):
+            raise ValueError(
+                f"mup_attention_multiplier must be a finite positive number (None: sqrt of the base head_dim, the "
+                f"standard scale at the base width), got {attention}."
+            )
         self.mup_base_shapes = self._resolve_base_shapes()
         if self.final_logit_softcapping is not None:
             # here the cap acts on the logits after muP's factor, c * tanh(s * z / c); vLLM, which reads both fields,
@@ -426,7 +446,11 @@ class DecoderLabConfig(PreTrainedConfig):
                 f"{', '.join(MUP_BASE_SHAPE_FIELDS)} (its hidden_size is mup_base_width)."
             )
         for name, value in given.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
                 raise ValueError(f"mup_base_shapes[{name!r}] must be a positive number, got {value!r}.")
         ratio = self.mup_base_width / self.hidden_size
         grown = {name: getattr(self, name) * ratio for name in MUP_BASE_SHAPE_FIELDS}
@@ -465,9 +489,29 @@ class DecoderLabConfig(PreTrainedConfig):
     @property
     def default_attention_scale(self) -> float:
         """The attention scale when ``attention_scale`` is unset: 1/sqrt(head_dim) (Vaswani et al. 2017: q.k has
-        variance near 1 for unit-variance q, k), 1/head_dim under muP (Yang et al. 2022, section 4: training correlates
-        q with k, and q.k then grows like head_dim)."""
-        return self.head_dim**-1.0 if is_mup(self) else self.head_dim**-0.5
+        variance near 1 for unit-variance q, k); under muP alpha_attn/head_dim (Yang et al. 2022, section 4: training
+        correlates q with k, and q.k then grows like head_dim), with alpha_attn = ``mup_attention_multiplier``, by
+        default sqrt(base head_dim): the standard scale at the base width."""
+        if not is_mup(self):
+            return self.head_dim**-0.5
+        attention = self.mup_attention_multiplier
+        return (attention if attention is not None else self.mup_base_shapes["head_dim"] ** 0.5) / self.head_dim
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' ``from_dict`` (what ``from_pretrained`` and the Auto classes call), which keeps the function
+        of a muP checkpoint saved before ``mup_base_shapes`` was recorded: such a config.json has no
+        ``mup_base_shapes`` key, and its attention scale was 1/head_dim, so it loads with
+        ``mup_attention_multiplier=1.0`` (unless it or the caller sets one)."""
+        saved_before = (
+            config_dict.get("parametrization") == "mup"
+            and "mup_base_shapes" not in config_dict
+            and config_dict.get("mup_attention_multiplier") is None
+            and "mup_attention_multiplier" not in kwargs
+        )
+        if saved_before:
+            config_dict = {**config_dict, "mup_attention_multiplier": 1.0}
+        return super().from_dict(config_dict, **kwargs)
 
     def validate_rope(self) -> None:
         """transformers' RoPE checks (which ``@strict`` runs on every config) concern RoPE configs only:

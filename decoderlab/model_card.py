@@ -73,6 +73,7 @@ SWITCH_MEANINGS = {
     "mup_base_width": "muP: the hidden_size its learning rate was tuned at",
     "mup_base_shapes": "muP: the base model's other sizes, which each matrix's width multipliers are taken against",
     "mup_output_multiplier": "muP: the logits are multiplied by this / (hidden_size / mup_base_width)",
+    "mup_attention_multiplier": "muP: the attention scale is this / head_dim (None: sqrt of the base head_dim)",
     "zero_residual_init": "residual projections (o_proj, down_proj) start at zero",
     "final_logit_softcapping": "logits capped as c * tanh(logits / c)",
     "use_cache": "keep a key/value cache while generating",

@@ -3,7 +3,7 @@ learning rate does not depend on the width, so a rate tuned on a narrow model is
 standard parametrization it drifts as the width grows, and under muP a wider model is never worse than a narrower
 one at its best rate.
 
-    python -m experiments.mup_transfer --jobs 2 --threads 1   # about 30 minutes on 2 CPU cores
+    python -m experiments.mup_transfer --jobs 2 --threads 1   # about 50 minutes on 2 CPU cores
     python -m experiments.mup_transfer --quick                # smoke test
 
 Models of widths 64 to 512 (2 layers, 4 heads: head_dim grows with the width) are trained on character-level Tiny
@@ -23,7 +23,14 @@ from training.mup_tune import best_rate  # the best rate of a grid, refined betw
 from . import common
 
 NAME = "mup_transfer"
-REVISION = "The first version of this experiment."
+REVISION = (
+    "muP's attention scale is now sqrt(base head_dim)/head_dim (mup_attention_multiplier's default; the base shapes "
+    "record the base model's heads, as many, each base-width / heads wide), the standard scale at the base width; "
+    "the first version used 1/head_dim, which at the base width already divided the attention logits by "
+    "sqrt(head_dim) = 4, and under which every width trained like the base one. Two checks added: width pays "
+    "under muP beyond the seed spread, and muP at the rate carried from the base width is no worse than the "
+    "standard parametrization at its own best rate, per width."
+)
 PARAMETRIZATIONS = ("standard", "mup")
 TRANSFER_LIMIT = 2.0  # muP's best rate may move by less than this factor across the widths
 TUNED_WIDTH = 128  # the width the guide tunes at (nano): its best rate is carried to the widest model
@@ -60,6 +67,7 @@ class Grid:
     widths: list[int]  # ascending
     mean: dict  # (parametrization, width) -> (rates,) mean loss over the seeds
     best: dict  # (parametrization, width) -> (best rate, its loss, whether it lies inside the grid)
+    runs: dict  # (parametrization, width, rate) -> the seeds' runs
 
     def spread(self, parametrization: str) -> float:
         """The largest best rate over the smallest, across the widths (inf if any is not found)."""
@@ -76,6 +84,19 @@ class Grid:
     def tuned_at(self) -> int:
         """The width a rate is tuned at: the guide's, else the second narrowest."""
         return TUNED_WIDTH if TUNED_WIDTH in self.widths else self.widths[min(1, len(self.widths) - 1)]
+
+    def best_trials(self, parametrization: str, width: int):
+        """The seeds' runs at the grid rate with the lowest mean loss at ``width``."""
+        return self.runs[parametrization, width, self.rates[int(np.nanargmin(self.mean[parametrization, width]))]]
+
+    @property
+    def carried_rate(self) -> float:
+        """muP's best grid rate at the narrowest (base) width: the one a user carries to every width."""
+        return float(self.rates[int(np.nanargmin(self.mean["mup", self.widths[0]]))])
+
+    def carried_trials(self, width: int):
+        """muP's runs at ``width`` with the rate carried from the base width."""
+        return self.runs["mup", width, self.carried_rate]
 
     def regret(self, parametrization: str) -> float:
         """Loss at the widest width with the grid rate nearest the best one at ``tuned_at``, minus its best loss."""
@@ -97,7 +118,7 @@ def run(session: common.Session, settings: Settings) -> None:
     widths = sorted(settings.widths)
     mean = {(p, w): np.array([runs[p, w, lr].mean for lr in rates]) for p in PARAMETRIZATIONS for w in widths}
     best = {key: best_rate(rates, losses) for key, losses in mean.items()}  # (rate, loss, inside the grid)
-    grid = Grid(rates, widths, mean, best)
+    grid = Grid(rates, widths, mean, best, runs)
     plot = figure(session, runs, grid)
     common.write_report(
         session, title="muP: the learning rate transfers across width", claim=__doc__.split("\n\n")[0].replace("\n", " "),
@@ -119,8 +140,11 @@ def specs(settings: Settings) -> dict:
         for parametrization in PARAMETRIZATIONS:
             fields = dict(hidden_size=width, num_hidden_layers=settings.num_hidden_layers,
                           num_attention_heads=settings.num_attention_heads, parametrization=parametrization)  # fmt: skip
-            if parametrization == "mup":
+            if parametrization == "mup":  # the base model: as many heads, each narrower (head_dim grows)
+                heads = settings.num_attention_heads
                 fields["mup_base_width"] = base
+                fields["mup_base_shapes"] = dict(num_attention_heads=heads, num_key_value_heads=heads,
+                                                 head_dim=base // heads)  # fmt: skip
             for lr in settings.learning_rates:
                 out[parametrization, width, lr] = common.Spec(
                     f"{parametrization} width {width} lr {lr:.3g}", fields, {**training, "learning_rate": lr},
@@ -175,6 +199,26 @@ def checks(grid: Grid) -> list[common.Check]:
             "best loss by width: " + ", ".join(f"{w}: {loss:.4f}" for w, loss in zip(widths, mup_best_loss)),
         ),
         common.Check(
+            f"under muP width pays: width {wide} at its best rate is better than width {narrow} at its best by more "
+            "than the seed-to-seed spread",
+            common.lower_beyond_spread(grid.best_trials("mup", wide), grid.best_trials("mup", narrow)),
+            common.spread_note(grid.best_trials("mup", wide), grid.best_trials("mup", narrow)),
+        ),
+        common.Check(
+            f"muP at the rate carried from width {narrow} is no worse than the standard parametrization at its own "
+            f"best rate, beyond the seed spread, at every width from {grid.widths[min(2, len(widths) - 1)]} up",
+            all(
+                not common.lower_beyond_spread(grid.best_trials("standard", w), grid.carried_trials(w))
+                for w in widths[2:] or widths[-1:]
+            ),
+            "; ".join(
+                f"{w}: muP {common.mean_pm(grid.carried_trials(w))} at {grid.carried_rate:.3g} vs standard "
+                f"{common.mean_pm(grid.best_trials('standard', w))} at "
+                f"{grid.rates[int(np.nanargmin(grid.mean['standard', w]))]:.3g}"
+                for w in widths
+            ),
+        ),  # fmt: skip
+        common.Check(
             f"the rate tuned at width {grid.tuned_at} costs less at width {wide} under muP than under the standard "
             "parametrization (loss at the grid rate nearest the tuned one, minus the best loss at that width)",
             grid.regret("mup") < grid.regret("standard"),
@@ -207,7 +251,9 @@ def setup_text(settings: Settings, grid: Grid) -> str:
         f"Widths {', '.join(map(str, grid.widths))}; {settings.num_hidden_layers} layers, {settings.num_attention_heads} "
         f"heads (head_dim {narrow // settings.num_attention_heads} to {wide // settings.num_attention_heads}), the "
         f"default (Llama-like) architecture. muP: `parametrization: mup`, `mup_base_width: {narrow}` (so the narrowest "
-        f"muP model differs from the standard one only in its 1/head_dim attention scale). Learning rates "
+        f"muP model is the standard one) and `mup_base_shapes` recording its {settings.num_attention_heads} heads of "
+        f"{narrow // settings.num_attention_heads}, so muP's attention scale is "
+        f"sqrt({narrow // settings.num_attention_heads})/head_dim. Learning rates "
         f"{', '.join(f'{lr:.3g}' for lr in grid.rates)}. Each run: {settings.steps} AdamW steps of "
         f"{settings.batch_size} x {settings.block_size} characters, linear warmup over {settings.warmup_steps} steps "
         f"then cosine decay to 10 % (transformers' LambdaLR, which scales each optimizer group's own rate, so muP's "
@@ -221,8 +267,8 @@ DISCUSSION = (
     "The standard parametrization's best rate falls as the width grows because Adam moves every entry of a "
     "hidden matrix by about the rate, and a matrix's output then changes by about (rate x width): the "
     "coordinate check (`mup_coord_check`) shows that growth directly. muP divides the hidden matrices' rate by "
-    "m = width / base width, the logits by m and the attention logits by head_dim instead of its square root, "
-    "so the same rate moves every layer's activations by the same amount at every width. These are short runs "
+    "m = width / base width, the logits by m and the attention logits by head_dim instead of its square root "
+    "(times sqrt of the base head_dim, so that the base width attends as the standard model does), so the same rate moves every layer's activations by the same amount at every width. These are short runs "
     "of small models on a small corpus: the best rate of a longer run is lower, and whether a rate tuned this "
     "way transfers to depth, batch size or training length is not tested here (muP transfers across width only)."
 )

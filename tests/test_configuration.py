@@ -67,13 +67,14 @@ NON_DEFAULT_FIELDS = dict(
     mup_base_width=48,
     mup_base_shapes={"intermediate_size": 200, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 32},
     mup_output_multiplier=2.5,
+    mup_attention_multiplier=3.0,
     use_cache=False,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=[2, 3],
 )
 
-MUP_FIELDS = ("parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier")
+MUP_FIELDS = ("parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier", "mup_attention_multiplier")
 # the fields muP does not combine with (final_logit_softcapping: vLLM would cap before muP's factor), set on the
 # standard parametrization instead
 NON_DEFAULT_STANDARD_FIELDS = {

@@ -50,6 +50,8 @@ MUP = dict(parametrization="mup", mup_base_width=16)  # with conftest's hidden_s
         (dict(mup_base_width=16), r"mup_base_width=16 is read only with parametrization='mup'.*'standard'"),
         (dict(mup_output_multiplier=2.0), r"mup_output_multiplier=2.0 is read only with parametrization='mup'"),
         (dict(MUP, mup_output_multiplier=0.0), r"mup_output_multiplier must be a finite positive number.*got 0.0"),
+        (dict(mup_attention_multiplier=1.0), r"mup_attention_multiplier=1.0 is read only with parametrization='mup'"),
+        (dict(MUP, mup_attention_multiplier=-1.0), r"mup_attention_multiplier must be a finite positive.*got -1.0"),
         (dict(parametrization="maximal"), r"parametrization.*'standard', 'mup'.*maximal"),
     ],
 )
@@ -79,23 +81,49 @@ def test_the_training_script_says_what_is_wrong_in_one_line():
 # The model
 
 
-def test_mup_at_its_base_width_is_the_standard_model_but_for_the_attention_scale(tiny_config):
-    """At hidden_size == mup_base_width, m = 1: the same initial weights draw for draw and, with the standard
-    attention scale set explicitly, the same logits; muP's own scale is 1/head_dim."""
+def test_mup_at_its_base_width_is_the_standard_model(tiny_config):
+    """At hidden_size == mup_base_width, m = 1, with the same initializer_range: the same initial weights draw for
+    draw and the same logits, the attention scale included (sqrt(base head_dim)/head_dim is 1/sqrt(head_dim) there). Wider, the scale goes as
+    sqrt(base head_dim)/head_dim: the standard scale where the heads grow in number (the default base shapes), smaller
+    where they grow wider; mup_attention_multiplier=1.0 is the uncorrected 1/head_dim. Unset, muP's initializer_range
+    is 1/sqrt(mup_base_width), the standard one 0.02."""
     standard = tiny_config()
     torch.manual_seed(0)
     reference = DecoderLabForCausalLM(standard).eval()
     torch.manual_seed(0)
-    mup = DecoderLabForCausalLM(tiny_config(parametrization="mup", mup_base_width=64)).eval()
+    mup = DecoderLabForCausalLM(tiny_config(parametrization="mup", mup_base_width=64, initializer_range=0.02)).eval()
     assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), mup.state_dict().values()))
-    assert mup.model.layers[0].self_attn.scaling == 1 / standard.head_dim
-    torch.manual_seed(0)
-    same_scale = DecoderLabForCausalLM(
-        tiny_config(parametrization="mup", mup_base_width=64, attention_scale=standard.head_dim**-0.5)
-    ).eval()
+    assert mup.model.layers[0].self_attn.scaling == standard.head_dim**-0.5
     ids = torch.randint(0, 99, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(same_scale(ids).logits, reference(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(mup(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    assert standard.initializer_range == 0.02 and tiny_config(**MUP).initializer_range == 16**-0.5  # 1/sqrt(fan_in)
+    wide = tiny_config(**MUP)  # hidden 64, 4 heads, base width 16: by default the base has 1 head, as wide
+    assert wide.mup_base_shapes["head_dim"] == 16 and wide.default_attention_scale == 16**-0.5
+    narrow_heads = dict(num_attention_heads=4, num_key_value_heads=4, head_dim=4)  # the heads grew wider instead
+    assert tiny_config(**MUP, mup_base_shapes=narrow_heads).default_attention_scale == 4**0.5 / 16
+    assert tiny_config(**MUP, mup_attention_multiplier=1.0).default_attention_scale == 1 / 16
+
+
+def test_a_mup_checkpoint_saved_before_base_shapes_keeps_its_attention_scale(tiny_model, tmp_path):
+    """A muP config.json without ``mup_base_shapes`` (written before they were recorded, when the attention scale was
+    1/head_dim) loads with mup_attention_multiplier=1.0 and the logits it was saved with; one saved now loads as
+    saved, the base-corrected scale included."""
+    model = tiny_model(**MUP, mup_attention_multiplier=1.0)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for key in ("mup_base_shapes", "mup_attention_multiplier"):
+        del saved[key]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.mup_attention_multiplier == 1.0 and loaded.model.layers[0].self_attn.scaling == 1 / 16
+    ids = torch.randint(0, 99, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    now = tiny_model(**MUP)
+    now.save_pretrained(tmp_path / "now")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "now")
+    assert again.config.mup_attention_multiplier is None and again.config.default_attention_scale == 1 / 4
 
 
 def test_mup_draws_hidden_matrices_with_variance_over_m_and_leaves_the_rest(tiny_config):
@@ -247,7 +275,11 @@ def test_mup_tune_writes_the_wide_recipe_with_the_best_rate(text_files, tmp_path
             "--validation_file", str(validation_file), "--max_train_steps", "8"]  # fmt: skip
     mup_tune.main(argv)
     losses = [
-        [r["eval_loss"] for r in read_metrics(tmp_path / "work" / f"lr_{lr:.4g}" / "metrics.jsonl") if "eval_loss" in r][-1]
+        [
+            r["eval_loss"]
+            for r in read_metrics(tmp_path / "work" / f"lr_{lr:.4g}" / "metrics.jsonl")
+            if "eval_loss" in r
+        ][-1]
         for lr in (1e-3, 4e-3, 1.6e-2)
     ]
     best, _, _ = mup_tune.best_rate([1e-3, 4e-3, 1.6e-2], losses)
@@ -327,8 +359,10 @@ def recorded_run(folder, model: dict) -> object:
 @pytest.mark.parametrize(
     "given, named",
     [
-        (dict(parametrization="standard", mup_base_width=None, mup_output_multiplier=None),
-         "model.parametrization: 'mup' -> 'standard'"),
+        (
+            dict(parametrization="standard", mup_base_width=None, mup_output_multiplier=None),
+            "model.parametrization: 'mup' -> 'standard'",
+        ),
         ({"mup_base_width": 64}, "model.mup_base_width: 128 -> 64"),
         ({"mup_output_multiplier": 2.0}, "model.mup_output_multiplier: 1.5 -> 2.0"),
     ],
@@ -359,14 +393,21 @@ def llama_shaped(randomize, **fields) -> DecoderLabForCausalLM:
 @pytest.mark.parametrize(
     "convert, family, fields",
     [
-        (convert_to_llama, LlamaForCausalLM, dict(mup_output_multiplier=2.0, attention_bias=True)),
-        (convert_to_qwen3, Qwen3ForCausalLM, dict(qk_norm=True)),
+        (
+            convert_to_llama,
+            LlamaForCausalLM,
+            dict(
+                mup_output_multiplier=2.0, attention_bias=True, mup_base_shapes=dict(num_attention_heads=4, head_dim=4)
+            ),
+        ),
+        (convert_to_qwen3, Qwen3ForCausalLM, dict(qk_norm=True, mup_attention_multiplier=1.0)),
     ],
 )
 def test_export_folds_the_multipliers_into_the_weights(randomize, tmp_path, convert, family, fields):
-    """--to llama / qwen3 of an untied muP model: the logits' alpha_out / m goes into lm_head and the second
-    1/sqrt(head_dim) of the attention into the queries (q_proj's weight and bias; with QK-norm the query norm's
-    weight), so the plain transformers model computes the same logits; nothing else changes."""
+    """--to llama / qwen3 of an untied muP model: the logits' alpha_out / m goes into lm_head and the attention
+    scale's alpha_attn / sqrt(head_dim) into the queries (q_proj's weight and bias; with QK-norm the query norm's
+    weight), so the plain transformers model computes the same logits; nothing else changes. (Heads 4 times wider than
+    the base's: 0.5; the uncorrected 1/head_dim: 0.25.)"""
     model = llama_shaped(randomize, **fields)
     model.save_pretrained(tmp_path / "src")
     exported = family.from_pretrained(convert(tmp_path / "src", tmp_path / "dst")).eval()
@@ -374,12 +415,13 @@ def test_export_folds_the_multipliers_into_the_weights(randomize, tmp_path, conv
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
     query = "q_norm" if model.config.qk_norm else "q_proj"
+    assert model.config.default_attention_scale / model.config.head_dim**-0.5 in (0.5, 0.25)
     for name, tensor in exported.state_dict().items():
         expected = model.state_dict()[name]
         if name == "lm_head.weight":
             expected = expected * model.config.logit_scale
         elif f"self_attn.{query}." in name:
-            expected = expected * model.config.head_dim**-0.5
+            expected = expected * model.config.default_attention_scale / model.config.head_dim**-0.5
         torch.testing.assert_close(tensor, expected, rtol=1e-6, atol=0, msg=name)
 
 

@@ -343,7 +343,8 @@ SWITCHES: dict[str, Switch] = {
 # sliding layers alone; no_rope_layer_interval, resolved into no_rope_layers)
 CARRIED_FIELDS = frozenset(LLAMA_FIELDS) | {
     "hidden_dropout", "scale_residual_init", "zero_residual_init", "embedding_initializer_range", "qk_norm",
-    "parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier", "sliding_window",
+    "parametrization", "mup_base_width", "mup_base_shapes", "mup_output_multiplier", "mup_attention_multiplier",
+    "sliding_window",
     "no_rope_layer_interval",
 }  # fmt: skip
 
@@ -375,8 +376,8 @@ def mup_folds(config: DecoderLabConfig) -> dict[str, float]:
     """What exporting ``config`` to a family without muP's multipliers multiplies into the weights, exactly: a
     regex over decoderlab's tensor names -> the factor. The readout (``parameter_roles``: an untied ``lm_head``;
     ``mup_in_the_way`` refuses a tied one) takes the factor its rule puts on its output in the forward pass,
-    ``logit_scale``. muP's 1/head_dim attention scale (``default_attention_scale``, when ``attention_scale`` is
-    unset) is 1/sqrt(head_dim) times 1/sqrt(head_dim): the second factor goes into the queries, through the query
+    ``logit_scale``. muP's attention scale alpha_attn/head_dim (``default_attention_scale``, when ``attention_scale``
+    is unset) is 1/sqrt(head_dim) times alpha_attn/sqrt(head_dim): the second factor goes into the queries, through the query
     norm's weight with QK-norm (which would undo a factor on q_proj) and through q_proj's weight and bias otherwise;
     RoPE rotates q linearly, so it commutes. Nothing for the standard parametrization."""
     if not is_mup(config):
