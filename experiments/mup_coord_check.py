@@ -26,8 +26,13 @@ from training.optim import make_optimizer
 from . import common
 
 NAME = "mup_coord_check"
-REVISION = "The first version of this experiment."
+REVISION = (
+    "muP's defaults changed: the attention scale is sqrt(base head_dim)/head_dim (the base shapes record the base "
+    "model's heads, as many, each narrower) and an unset initializer_range is 1/sqrt(mup_base_width); the first "
+    "version used 1/head_dim and 0.02."
+)
 ACTIVATIONS = ("embedding", "attention logits", "attention output", "MLP output", "logits")
+CHANGES = tuple(f"{name} change" for name in ACTIVATIONS)
 PARAMETRIZATIONS = ("standard", "mup")
 # |slope| of log l1 against log width: below FLAT it keeps its scale (a width 16x larger changes it by less than
 # 16^0.3 = 2.3x); above GROWS it grows (16^0.5 = 4x over the same range)
@@ -51,10 +56,12 @@ QUICK = Settings(widths=(32, 64), base_width=32, num_hidden_layers=1, steps=2, b
 
 class Recorder:
     """Forward hooks recording the l1 (mean |x|) of the activations named in ``ACTIVATIONS``, averaged over layers,
-    and a wrapper of the attention function for the logits (``common.AttentionRecorder``)."""
+    and a wrapper of the attention function for the logits (``common.AttentionRecorder``); and the l1 of each one's
+    change since the first call (x_t - x_0: what training moved, which muP keeps the same size at every width)."""
 
     def __init__(self, model: DecoderLabForCausalLM):
-        self.sums: dict[str, list[float]] = {}
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        self.first: dict[str, list[torch.Tensor]] | None = None
         self.handles = [model.model.embed_tokens.register_forward_hook(self.hook("embedding"))]
         for layer in model.model.layers:
             self.handles.append(layer.self_attn.register_forward_hook(self.hook("attention output")))
@@ -64,18 +71,32 @@ class Recorder:
     def hook(self, name: str):
         def record(module, args, output):
             value = output[0] if isinstance(output, tuple) else output
-            self.sums.setdefault(name, []).append(value.detach().abs().mean().item())
+            self.outputs.setdefault(name, []).append(value.detach().clone())
 
         return record
 
     def take(self, scores: list[torch.Tensor]) -> dict[str, float]:
-        """The l1 of each activation since the last call (the mean over the layers), and clear."""
-        causal = [s.tril() for s in scores]  # (B, nh, T, T): the scores the mask keeps
+        """The l1 of each activation since the last call and of its change since the first call ("NAME change"),
+        each the mean over the layers; then clear."""
         T = scores[0].shape[-1]
-        kept = T * (T + 1) / 2
-        self.sums["attention logits"] = [(s.abs().sum(dim=(-1, -2)) / kept).mean().item() for s in causal]
-        values = {name: float(np.mean(self.sums[name])) for name in ACTIVATIONS}
-        self.sums = {}
+        kept = T * (T + 1) / 2  # (B, nh, T, T): the scores the causal mask keeps
+
+        def l1(name: str, x: torch.Tensor) -> float:
+            return (
+                (x.tril().abs().sum(dim=(-1, -2)) / kept).mean().item()
+                if name == "attention logits"
+                else x.abs().mean().item()
+            )
+
+        self.outputs["attention logits"] = [s.detach().clone() for s in scores]
+        if self.first is None:
+            self.first = self.outputs
+        values = {}
+        for name in ACTIVATIONS:
+            now, start = self.outputs[name], self.first[name]
+            values[name] = float(np.mean([l1(name, x) for x in now]))
+            values[f"{name} change"] = float(np.mean([l1(name, x - x0) for x, x0 in zip(now, start)]))
+        self.outputs = {}
         return values
 
     def close(self) -> None:
@@ -89,8 +110,11 @@ def model_fields(settings: Settings, width: int, parametrization: str, vocab_siz
         num_attention_heads=settings.num_attention_heads, max_position_embeddings=settings.block_size,
         parametrization=parametrization,
     )  # fmt: skip
-    if parametrization == "mup":
+    if parametrization == "mup":  # the base model: as many heads, each narrower (head_dim grows with the width)
+        heads = settings.num_attention_heads
         fields["mup_base_width"] = settings.base_width
+        fields["mup_base_shapes"] = dict(num_attention_heads=heads, num_key_value_heads=heads,
+                                         head_dim=settings.base_width // heads)  # fmt: skip
     return fields
 
 
@@ -127,18 +151,21 @@ def slope(widths, values) -> float:
 
 def coordinate_check(settings: Settings, batch: torch.Tensor, vocab_size: int, seeds: list[int]) -> dict:
     """``{parametrization: {"l1": {activation: (widths, steps + 1) mean over seeds}, "slope": {activation: slope of
-    the last step}, "loss": (widths, steps + 1)}}``."""
+    the last step}, "change": and "change_slope": the same of x_t - x_0, "loss": (widths, steps + 1)}}``."""
     out = {}
     for parametrization in PARAMETRIZATIONS:
         runs = np.array([
-            [[[step[name] for name in (*ACTIVATIONS, "loss")] for step in coordinates(
+            [[[step[name] for name in (*ACTIVATIONS, *CHANGES, "loss")] for step in coordinates(
                 settings, batch, vocab_size, width, parametrization, seed)] for width in settings.widths]
             for seed in seeds
         ]).mean(0)  # (widths, steps + 1, activations + loss)  # fmt: skip
         l1 = {name: runs[:, :, i] for i, name in enumerate(ACTIVATIONS)}
+        change = {name: runs[:, :, len(ACTIVATIONS) + i] for i, name in enumerate(ACTIVATIONS)}
         out[parametrization] = {
             "l1": l1,
             "slope": {name: slope(settings.widths, values[:, -1]) for name, values in l1.items()},
+            "change": change,
+            "change_slope": {name: slope(settings.widths, values[:, -1]) for name, values in change.items()},
             "loss": runs[:, :, -1],
         }
     return out
@@ -162,6 +189,7 @@ def run(session: common.Session, settings: Settings) -> None:
     numbers = {
         parametrization: {
             "slope": result[parametrization]["slope"],
+            "change_slope": result[parametrization]["change_slope"],
             "l1": {name: values.tolist() for name, values in result[parametrization]["l1"].items()},
             "loss": result[parametrization]["loss"].tolist(),
         }
@@ -208,6 +236,12 @@ def checks(settings: Settings, result: dict) -> list[common.Check]:
             ", ".join(f"{name} {mup[name]:+.2f}" for name in ACTIVATIONS),
         ),
         common.Check(
+            f"under muP no activation grows with the width (slope < {FLAT}; the initial part of the attention "
+            "logits and of the logits may shrink, as muP lets it)",
+            all(mup[name] < FLAT for name in ACTIVATIONS),
+            ", ".join(f"{name} {mup[name]:+.2f}" for name in ACTIVATIONS),
+        ),
+        common.Check(
             f"under the standard parametrization the attention logits, the attention and MLP outputs and the logits "
             f"grow with the width (slope > {GROWS})",
             all(standard[name] > GROWS for name in growing),
@@ -224,17 +258,29 @@ def checks(settings: Settings, result: dict) -> list[common.Check]:
 
 def results_text(settings: Settings, result: dict, plot: str) -> str:
     mup, standard = result["mup"]["slope"], result["standard"]["slope"]
+    moved = result["mup"]["change_slope"], result["standard"]["change_slope"]
     rows = [
-        [name, f"{standard[name]:+.2f}", f"{mup[name]:+.2f}",
+        [name, f"{standard[name]:+.2f}", f"{mup[name]:+.2f}", f"{moved[1][name]:+.2f}", f"{moved[0][name]:+.2f}",
          f"{result['standard']['l1'][name][-1, -1] / result['standard']['l1'][name][0, -1]:.3g}x",
          f"{result['mup']['l1'][name][-1, -1] / result['mup']['l1'][name][0, -1]:.3g}x"]
         for name in ACTIVATIONS
     ]  # fmt: skip
     ratio = f"{settings.widths[-1]} / {settings.widths[0]}"
     return (
-        f"{plot}\n\nSlope of log mean |x| against log width after step {settings.steps}, and the ratio of mean |x| "
-        f"at width {ratio}:\n\n"
-        + common.markdown_table(["activation", "standard slope", "muP slope", f"standard {ratio}", f"muP {ratio}"], rows)
+        f"{plot}\n\nSlope of log mean |x| against log width after step {settings.steps}, the same for the change "
+        f"since initialisation (mean |x_t - x_0|), and the ratio of mean |x| at width {ratio}:\n\n"
+        + common.markdown_table(
+            [
+                "activation",
+                "standard slope",
+                "muP slope",
+                "standard: change's slope",
+                "muP: change's slope",
+                f"standard {ratio}",
+                f"muP {ratio}",
+            ],
+            rows,
+        )
     )
 
 
@@ -244,7 +290,9 @@ def setup_text(settings: Settings) -> str:
         f"Widths {', '.join(map(str, settings.widths))}; {settings.num_hidden_layers} layers, "
         f"{settings.num_attention_heads} heads (head_dim {widths[0] // settings.num_attention_heads} to "
         f"{widths[-1] // settings.num_attention_heads}), the default (Llama-like) architecture; muP with "
-        f"mup_base_width {settings.base_width}. Each model is trained with `training.optim.make_optimizer`'s AdamW "
+        f"mup_base_width {settings.base_width} (base shapes: {settings.num_attention_heads} heads of "
+        f"{settings.base_width // settings.num_attention_heads}, so the attention scale is "
+        f"sqrt({settings.base_width // settings.num_attention_heads})/head_dim). Each model is trained with `training.optim.make_optimizer`'s AdamW "
         f"groups at a constant learning rate {settings.learning_rate:g}, no weight decay, no clipping, for "
         f"{settings.steps} steps on one batch of {settings.batch_size} x {settings.block_size} characters of Tiny "
         "Shakespeare, repeated; the l1 of each activation is recorded before every step (t=0: at initialisation) "
@@ -257,10 +305,17 @@ DISCUSSION = (
     "width, so a hidden matrix's update changes its output by about (learning rate x width): the activations "
     "after the first step grow with the width, and the learning rate that is right at one width is too large "
     "at a wider one. muP's 1/m on the hidden matrices' rate, 1/m on the logits and 1/head_dim on the attention "
-    "logits undo each of those growths, which is what lets a learning rate tuned at a small width carry over "
+    "logits (times sqrt of the base head_dim) undo each of those growths, which is what lets a learning rate tuned at a small width carry over "
     "(see the `mup_transfer` experiment). At t=0 muP's logits shrink like 1/sqrt(width) (the head is drawn "
     "at a fixed std and multiplied by 1/m), the transient the mup package describes; after a few steps the "
-    "updates dominate."
+    "updates dominate. With the base width's initialisation at 1/sqrt(fan-in) that initial part is several times "
+    "larger than with 0.02, and it still weighs at step 4: the attention logits (whose initial part goes as "
+    "1/sqrt(head_dim) under muP's 1/head_dim scaling) and the logits shrink with the width, while what training "
+    "moved, x_t - x_0, keeps its size in the blocks' outputs; in the attention logits it shrinks too (slope near "
+    "-0.4), since after 4 steps it is still mostly the cross terms of the initial queries and keys with their "
+    "updates, which the 1/head_dim scale shrinks. Nothing grows with the width, which is what the transfer needs "
+    "(`mup_transfer`); zero-initialised queries, which Tensor Programs V suggests, would remove the initial part and "
+    "are not measured here."
 )
 
 

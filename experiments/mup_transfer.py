@@ -3,7 +3,7 @@ learning rate does not depend on the width, so a rate tuned on a narrow model is
 standard parametrization it drifts as the width grows, and under muP a wider model is never worse than a narrower
 one at its best rate.
 
-    python -m experiments.mup_transfer --jobs 2 --threads 1   # about 50 minutes on 2 CPU cores
+    python -m experiments.mup_transfer --jobs 2 --threads 1   # about 20 minutes on 2 CPU cores
     python -m experiments.mup_transfer --quick                # smoke test
 
 Models of widths 64 to 512 (2 layers, 4 heads: head_dim grows with the width) are trained on character-level Tiny

@@ -206,15 +206,20 @@ def shakespeare_batch():
 def test_coordinate_check_flat_under_mup_growing_under_standard(one_thread, shakespeare_batch):
     """The coordinate check (experiments/mup_coord_check.py's defaults: widths 64-1024, 2 layers, 4 Adam steps
     through training.optim's groups, 3 seeds): after the last step the slope of log mean |activation| against
-    log width is within +-0.3 under muP for the embeddings, attention logits, attention and MLP outputs and
-    logits (a 16x wider model changes them by less than 2.3x), and above 0.5 under the standard parametrization
-    for all but the embeddings (more than 4x), which keep their scale under both."""
+    log width is within +-0.3 under muP for the embeddings and the attention and MLP outputs (a 16x wider model
+    changes them by less than 2.3x), and below 0.3 for the attention logits and the logits, whose initial part muP
+    lets shrink (1/sqrt(head_dim) and 1/m); above 0.5 under the standard parametrization for all but the
+    embeddings (more than 4x), which keep their scale under both. What training moved (x_t - x_0) in the blocks'
+    outputs is flat under muP too."""
     batch, vocab_size = shakespeare_batch
     result = mup_coord_check.coordinate_check(mup_coord_check.Settings(), batch, vocab_size, seeds=[0, 1, 2])
     mup, standard = result["mup"]["slope"], result["standard"]["slope"]
     print("\nslopes, muP:", {k: round(v, 2) for k, v in mup.items()})
     print("slopes, standard:", {k: round(v, 2) for k, v in standard.items()})
-    assert all(abs(slope) < mup_coord_check.FLAT for slope in mup.values()), mup
+    flat = ("embedding", "attention output", "MLP output")
+    assert all(abs(mup[name]) < mup_coord_check.FLAT for name in flat), mup
+    assert all(abs(result["mup"]["change_slope"][name]) < mup_coord_check.FLAT for name in flat), result["mup"]
+    assert all(slope < mup_coord_check.FLAT for slope in mup.values()), mup
     assert all(standard[name] > mup_coord_check.GROWS for name in mup_coord_check.ACTIVATIONS[1:]), standard
     assert abs(standard["embedding"]) < mup_coord_check.FLAT, standard
     assert np.isfinite(result["mup"]["loss"]).all()
