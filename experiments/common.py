@@ -412,10 +412,13 @@ def mean_pm(values, digits: int = 3) -> str:
     )
 
 
-def train_all(session: Session, corpus: Corpus, specs: dict) -> dict:
-    """``{key: Trials}``: every spec of ``{key: Spec}`` trained once per seed of the session. With ``--jobs N``
-    the runs go to N worker processes (each with ``--threads`` threads), so CPU cores train separate models."""
-    tasks = [(key, spec, seed) for key, spec in specs.items() for seed in session.seeds]
+def train_all(session: Session, corpus: Corpus, specs: dict, seeds: dict | None = None) -> dict:
+    """``{key: Trials}``: every spec of ``{key: Spec}`` trained once per seed of the session, or per seed of
+    ``seeds[key]`` where ``seeds`` (``{key: [seed, ...]}``) names the key. The runs start in the order of ``specs``.
+    With ``--jobs N`` the runs go to N worker processes (each with ``--threads`` threads), so CPU cores train
+    separate models."""
+    seeds_of = {key: list((seeds or {}).get(key, session.seeds)) for key in specs}
+    tasks = [(key, spec, seed) for key, spec in specs.items() for seed in seeds_of[key]]
     if session.args.jobs == 1:
         runs = [train_model(session, corpus, spec, seed) for _, spec, seed in tasks]
     else:
@@ -423,7 +426,7 @@ def train_all(session: Session, corpus: Corpus, specs: dict) -> dict:
         with concurrent.futures.ProcessPoolExecutor(session.args.jobs, mp_context=context) as pool:
             futures = [pool.submit(_train_in_worker, session, corpus, spec, seed) for _, spec, seed in tasks]
             runs = [future.result() for future in futures]
-    trials = {key: Trials(spec.name, session.seeds, []) for key, spec in specs.items()}
+    trials = {key: Trials(spec.name, seeds_of[key], []) for key, spec in specs.items()}
     for (key, _, _), run in zip(tasks, runs):
         trials[key].runs.append(run)
     return trials
