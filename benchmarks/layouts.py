@@ -269,7 +269,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate's notes on unset sampling options, once per call
+    try:
+        measure(args)
+    finally:  # a caller in the same process (the tests) keeps transformers' warnings
+        transformers.logging.set_verbosity(verbosity)
+
+
+def measure(args) -> None:
     settings = QUICK if args.quick else dict(window=WINDOW, blocks=BLOCKS, tokens_per_batch=TOKENS_PER_BATCH,
                                              new_tokens=NEW_TOKENS, cache_lengths=CACHE_LENGTHS)  # fmt: skip
     repeats = 1 if args.quick else args.repeats
