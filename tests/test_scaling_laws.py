@@ -181,8 +181,11 @@ def test_run_trains_the_size_and_prints_its_loss_last(capsys):
 
 
 def test_bad_settings_are_refused(tmp_path):
-    """A grid whose sizes and depths do not pair up, or a held-out budget inside the grid, is refused by name."""
+    """A grid whose sizes and depths do not pair up, a held-out budget inside the grid, or a decay that does not end at
+    zero, is refused by name."""
     with pytest.raises(ValueError, match="must pair up"):
         scaling_laws.main(["--quick", "--hidden_sizes", "16,32", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--held_out_multiple must exceed 1"):
         scaling_laws.main(["--quick", "--held_out_multiple", "1", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--decay must be one of linear, cosine .each ends at zero., got 'constant'"):
+        scaling_laws.main(["--quick", "--decay", "constant", "--output_dir", str(tmp_path)])
