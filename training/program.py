@@ -29,9 +29,11 @@ exit with the same status in silence.
 Launched as several processes, a script also ends without the interpreter's shutdown: it runs the exit handlers
 (``atexit``: logging's flush, the libraries' own), flushes its output and leaves with ``os._exit`` and its status.
 The process group outlives ``destroy_process_group`` (``Accelerator.end_training``): FSDP2's device mesh keeps the
-group, and torch's DTensor caches keep the mesh, so gloo's worker threads are still running when the interpreter
-tears down, and a worker that then needs the GIL aborts the process ("terminate called without an active exception",
-SIGABRT) after its work is saved: about once in 100 FSDP runs on 2 cores, reported to torchrun as a failure.
+group, and torch's DTensor caches keep the mesh, so gloo's worker threads (``pt_gloo_runloop``) are still running
+when the interpreter tears down. A finished run then now and then aborts there ("terminate called without an active
+exception", SIGABRT, after its work is saved), and torchrun reports it failed: 1 of about 190 resumed FSDP launches
+looped on 2 cores, and once in CI. The cause torch's pull request 179291 gives for that abort: a gloo worker that
+needs the GIL while the interpreter shuts down.
 """
 
 import atexit
