@@ -65,6 +65,7 @@ def run_program(main: Callable[[list[str]], object]) -> None:
     ``decoderlab.cli.run_command`` (one line for a user's mistake), then freeze what is left so the exit does not
     walk it again. Exits with ``main``'s status (an int it returns, else 0); never returns."""
     from decoderlab.cli import USER_ERRORS, exit_status, run_command  # after prepare_imports: decoderlab imports torch
+    from training.hardware import launched_processes
 
     while _levels_before:
         name, level = _levels_before.popitem()
@@ -86,7 +87,7 @@ def run_program(main: Callable[[list[str]], object]) -> None:
     try:
         run_command(program)
     except SystemExit as done:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun and accelerate launch set it
+        if launched_processes() > 1:
             leave(done.code)
         raise
 

@@ -30,6 +30,7 @@ from scipy.optimize import least_squares
 from scipy.special import logsumexp
 
 from benchmarks.common import machine_line
+from experiments.scaling_laws import LAW_PARAMETERS, Law
 
 RESULTS = pathlib.Path("experiments/results/scaling_laws/results.json")
 TRAINING_CHARACTERS = 1_003_840  # Tiny Shakespeare's training split, one token per character: the report's "passes"
@@ -60,10 +61,6 @@ def fit_repetition_law(n, d, loss, unique: float, huber: float) -> np.ndarray:
         if best is None or fit.cost < best.cost:
             best = fit
     return best.x
-
-
-def plain_loss(fit: dict, n, d):
-    return fit["E"] + fit["A"] / np.power(n, fit["alpha"]) + fit["B"] / np.power(d, fit["beta"])
 
 
 def previous_results(revision: str) -> dict:
@@ -117,7 +114,7 @@ def main() -> None:
     x = fit_repetition_law(n, d, loss, unique, fit.get("huber_delta", 1e-3))
     r_star = float(np.exp(x[5]))
     fitted = np.exp(repetition_log_loss(x, n, d, unique))
-    plain = plain_loss(fit, n, d)
+    plain = Law(**{name: fit[name] for name in LAW_PARAMETERS}).loss(n, d)
     print(f"\nWith repeats worth less: E {np.exp(x[2]):.3f}, A {np.exp(x[0]):.4g}, alpha {x[3]:.3f}, B {np.exp(x[1]):.4g}, "
           f"beta {x[4]:.3f}, R* {r_star:.2f}; RMS residual {np.sqrt(np.mean((fitted - loss) ** 2)):.4f} nats "
           f"(the experiment's law: {np.sqrt(np.mean((plain - loss) ** 2)):.4f})")  # fmt: skip
