@@ -76,7 +76,10 @@ def test_quick_run_writes_report_results_and_plots(quick_run):
     for run in numbers["runs"]:
         seeds[run["budget"]].add(run["seed"])
     assert seeds.pop(smallest) == {0, 1} and all(s == {0} for s in seeds.values())
-    assert [h["budget"] for h in numbers["held_out"]] == [4 * max(scaling_laws.QUICK.budgets), 1e8]
+    largest = max(scaling_laws.QUICK.budgets)
+    assert [h["budget"] for h in numbers["held_out"]] == [4 * largest, 1e8, 8 * largest]
+    assert [h["checked"] for h in numbers["held_out"]] == [True, True, False]
+    assert [h["seeds"] for h in numbers["held_out"]] == [[0, 1], [0, 1], [0]]  # held_out_seeds, capped by --seeds
     assert all(math.isfinite(h["predicted"]) and math.isfinite(h["measured"]) for h in numbers["held_out"])
 
 
