@@ -22,7 +22,7 @@ starting points; intervals from refitting runs resampled with replacement. From 
 size N whose D = C / FLOPs per token gives the lowest loss: the compute-optimal size. Then runs the fit has not
 seen, ``held_out_seeds`` seeds each: one at ``held_out_multiple`` times the largest budget (the grid size nearest the
 fit's optimum there) and one of a width between two grid widths, the claim's checks; and one seed at
-``beyond_multiple`` times the largest budget, farther than the claim reaches, which shows where the law stops.
+``beyond_multiple`` times the largest budget, farther than the claim reaches: how far the law carries.
 
 ``predict`` reads the fit from results.json and prints the loss it predicts for a size and a token count (the number
 alone on the last line); ``run`` trains that size on that many tokens with the grid's recipe and prints the measured
@@ -55,7 +55,7 @@ NAME = "scaling_laws"
 REVISION = (
     "The grid now ends at 1e13 FLOPs (the 2e13 row is gone), so the run at 4x its largest budget is at 4e13, and each of "
     "the two checked held-out runs trains 3 seeds; the previous version's 4x run (4 x 128 at 8e13 FLOPs) is kept as a "
-    "third held-out run at 8x, one seed, unchecked: where the law stops. The previous grid's law missed that run by "
+    "third held-out run at 8x, one seed, unchecked: how far the law carries. The previous grid's law missed that run by "
     "0.045 nats (0.034 with the cosine schedule before it), measured above the prediction. What was ruled out is in "
     "benchmarks/notes/scaling-laws.md: not the schedule, and not repeats counted by passes. This design was chosen "
     "after the previous runs were seen: refitted to its own first three budgets, the previous law predicted each of its "
@@ -96,7 +96,7 @@ class Settings:
     other_seeds: int = 1  # seeds of every budget but the smallest, which runs the session's (--seeds)
     held_out_multiple: float = 4.0  # the first held-out run's budget, times the largest grid budget
     held_out_seeds: int = 3  # seeds of each of the two held-out runs the claim is checked on
-    beyond_multiple: float = 8.0  # a third held-out run, one seed, farther out: where the law stops (no check)
+    beyond_multiple: float = 8.0  # a third held-out run, one seed, farther out: how far the law carries (no check)
     between_hidden_size: int = 80  # the second held-out run: a size between two of the grid's
     between_num_hidden_layers: int = 2
     between_budget: float = 1e13
@@ -524,7 +524,7 @@ def run(session: common.Session, settings: Settings) -> None:
     common.write_report(
         session, title="Scaling laws: Chinchilla's fit on an IsoFLOP grid", claim=" ".join(__doc__.split("\n\n")[0].split()),
         setup=setup_text(settings, grid, between, session), results=results_text(settings, grid, held_out, isoflop, compute, corpus),
-        checks=checks(grid, held_out), discussion=discussion_text(grid), numbers=numbers, revision=REVISION,
+        checks=checks(grid, held_out), discussion=discussion_text(grid, held_out), numbers=numbers, revision=REVISION,
     )  # fmt: skip
 
 
@@ -573,7 +573,7 @@ FAR, BETWEEN, BEYOND = "far", "between", "beyond"  # the held-out runs: checked,
 def held_out_plans(settings: Settings, budgets: list[float], chosen, between: Shape) -> list[tuple]:
     """(role, shape, budget, seeds) of each held-out run: ``held_out_multiple`` times the largest budget and the
     ``between`` size at ``between_budget``, ``held_out_seeds`` seeds each (the claim's two checks); then, unless
-    ``beyond_multiple`` is 0, one seed at ``beyond_multiple`` times the largest budget (where the law stops).
+    ``beyond_multiple`` is 0, one seed at ``beyond_multiple`` times the largest budget (how far the law carries).
     ``chosen(budget)`` is the grid size trained at a budget beyond the grid."""
     plans = [(FAR, chosen(settings.held_out_multiple * budgets[-1]), settings.held_out_multiple * budgets[-1],
               settings.held_out_seeds),
@@ -733,7 +733,7 @@ def checks(grid: Grid, held_out: list[HeldOut]) -> list[common.Check]:
             + ", ".join(f"{o.budget:.3g}: {o.tokens_per_parameter:.1f}" for o in grid.optima),
         ),
     ]
-    for run in (h for h in held_out if h.role != BEYOND):  # the run farther out shows where the law stops: no check
+    for run in (h for h in held_out if h.role != BEYOND):  # the run farther out: reported, no check
         out.append(common.Check(
             f"the fit predicts the held-out run at {run.label} ({run.shape.label}, {run.tokens:,} tokens) to within "
             f"{PREDICTION_TOLERANCE} nats",
@@ -796,7 +796,7 @@ def setup_text(settings: Settings, grid: Grid, between: Shape, session: common.S
         f"{between.parameters:,}) at {settings.between_budget:.3g} FLOPs, seeds "
         f"{', '.join(map(str, seeds[: settings.held_out_seeds]))} each (the claim's two checks, on the seeds' mean)"
         + (f"; and one seed at {settings.beyond_multiple:g}x the largest budget, at the size nearest the optimum "
-           "there, farther than the claim reaches: where the law stops on this text (no check)."
+           "there, farther than the claim reaches: how far the law carries on this text (no check)."
            if settings.beyond_multiple else ".")
     )
 
@@ -857,7 +857,8 @@ def results_text(settings, grid: Grid, held_out: list[HeldOut], isoflop: str, co
     )
 
 
-def discussion_text(grid: Grid) -> str:
+def discussion_text(grid: Grid, held_out: list[HeldOut]) -> str:
+    checked = [h for h in held_out if h.role != BEYOND]
     return (
         "Chinchilla fitted runs from 70M to 16B parameters, on text seen about once; these are models of "
         f"{grid.shapes[0].parameters:,} to {grid.shapes[-1].parameters:,} weights on a 1M-character text that the "
@@ -867,7 +868,9 @@ def discussion_text(grid: Grid) -> str:
         "trained as well as its size and length allow: a rate that suits the short runs and not the long ones (or the "
         "shallow models and not the deep ones) bends the IsoFLOP curves, and the fit takes that bend for the law. What "
         "the fit measures is how loss trades between N and D for this recipe and this corpus, between the grid's "
-        "smallest and largest runs; beyond them it is an extrapolation, which the held-out runs test once each."
+        "smallest and largest runs; beyond them it is an extrapolation, which the held-out runs test: two checked, on "
+        f"{len(checked[0].trials.runs)} seed{'s' if len(checked[0].trials.runs) > 1 else ''} each, and one a step "
+        "farther."
     )
 
 

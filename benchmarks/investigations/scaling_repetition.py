@@ -87,10 +87,13 @@ def compare_recipes(now: dict, before: dict, unique: float) -> None:
         changes = [now_ - was for passes, _, was, now_ in rows if low <= passes < high]
         if changes:
             print(f"  runs seeing the text {low} to {high} times: mean change {np.mean(changes):+.4f} ({len(changes)})")
-    held_before = {h["label"]: h for h in before["numbers"]["held_out"]}
+    def held_key(h):  # by what was trained: a label such as "4x the largest budget" moves with the grid
+        return h["num_hidden_layers"], h["hidden_size"], h["budget"]
+
+    held_before = {held_key(h): h for h in before["numbers"]["held_out"]}
     for h in now["numbers"]["held_out"]:
-        if h["label"] in held_before:
-            b = held_before[h["label"]]
+        if held_key(h) in held_before:
+            b = held_before[held_key(h)]
             print(f"  held out, {h['label']}: measured {b['measured']:.4f} -> {h['measured']:.4f}, predicted "
                   f"{b['predicted']:.4f} -> {h['predicted']:.4f}, off by {b['error']:.4f} -> {h['error']:.4f}")  # fmt: skip
 
