@@ -481,13 +481,14 @@ def plan(session: common.Session, corpus, settings: Settings) -> Plan:
     timing = step_seconds(session, corpus, settings, [*shapes, between], base_width)
     order = sorted(steps, key=lambda key: -duration(timing[key[1]], steps[key]))
     durations = [duration(timing[key[1]], steps[key]) for key in order for _ in seeds[key]]
+
     def guess(budget: float) -> Shape:
         return nearest(shapes, chinchilla_parameters(budget))
 
     held_out = [duration(timing[shape], steps_for(budget, shape, settings))
                 for _, shape, budget, count in held_out_plans(settings, budgets, guess, between)
                 for _ in session.seeds[:count]]  # fmt: skip
-    held_out.sort(reverse=True)  # as train_all takes them: the longest first
+    held_out.sort(reverse=True)  # the longest first, as train_held_out starts them
     estimate = (schedule(durations, session.args.jobs), schedule(held_out, session.args.jobs))
     far = guess(settings.held_out_multiple * budgets[-1])
     return Plan(shapes, between, budgets, steps, seeds, order, timing, estimate, far, len(held_out))
@@ -627,7 +628,7 @@ def isoflop_figure(session, grid: Grid, held_out: list[HeldOut]) -> str:
         ax.plot(curve_n, grid.fit.law.loss(curve_n, budget / grid.flops(curve_n)), color=color, lw=1)
         best = grid.optima[i]
         ax.plot([best.parameters], [best.loss], marker="*", ms=12, color=color, mec="black", mew=0.5, ls="none")
-    between = held_out[1]
+    between = next(h for h in held_out if h.role == BETWEEN)
     color = f"C{grid.budgets.index(between.budget)}" if between.budget in grid.budgets else "black"
     ax.plot([between.shape.parameters], [between.measured], marker="D", color=color, mec="black", ls="none",
             label=f"held out {between.shape.label} (measured)")  # fmt: skip
@@ -643,7 +644,7 @@ def isoflop_figure(session, grid: Grid, held_out: list[HeldOut]) -> str:
 
 
 def compute_figure(session, grid: Grid, held_out: list[HeldOut]) -> str:
-    """Loss against compute (every run, the fit's compute-optimal frontier, the held-out run beyond the grid), and the
+    """Loss against compute (every run, the fit's compute-optimal frontier, the held-out runs beyond the grid), and the
     fit's compute-optimal tokens per parameter against compute, with its bootstrap interval and Chinchilla's 20."""
     fig, axes = common.figure(ncols=2, width=5.2, height=4.0)
     outside = [h for h in held_out if h.role != BETWEEN]  # the runs beyond the grid's budgets
@@ -869,8 +870,8 @@ def discussion_text(grid: Grid, held_out: list[HeldOut]) -> str:
         "shallow models and not the deep ones) bends the IsoFLOP curves, and the fit takes that bend for the law. What "
         "the fit measures is how loss trades between N and D for this recipe and this corpus, between the grid's "
         "smallest and largest runs; beyond them it is an extrapolation, which the held-out runs test: two checked, on "
-        f"{len(checked[0].trials.runs)} seed{'s' if len(checked[0].trials.runs) > 1 else ''} each, and one a step "
-        "farther."
+        f"{len(checked[0].trials.runs)} seed{'s' if len(checked[0].trials.runs) > 1 else ''} each"
+        + (", and one a step farther." if len(checked) < len(held_out) else ".")
     )
 
 

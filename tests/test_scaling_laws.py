@@ -184,11 +184,22 @@ def test_run_trains_the_size_and_prints_its_loss_last(capsys):
 
 
 def test_bad_settings_are_refused(tmp_path):
-    """A grid whose sizes and depths do not pair up, a held-out budget inside the grid, or a decay that does not end at
-    zero, is refused by name."""
+    """A grid whose sizes and depths do not pair up, a held-out budget inside the grid, a run beyond that is not
+    beyond the checked one, no held-out seeds, or a decay that does not end at zero, is refused by name."""
     with pytest.raises(ValueError, match="must pair up"):
         scaling_laws.main(["--quick", "--hidden_sizes", "16,32", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--held_out_multiple must exceed 1"):
         scaling_laws.main(["--quick", "--held_out_multiple", "1", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="--decay must be one of linear, cosine .each ends at zero., got 'constant'"):
         scaling_laws.main(["--quick", "--decay", "constant", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--beyond_multiple must exceed --held_out_multiple \(4\), or be 0 .* got 3"):
+        scaling_laws.main(["--quick", "--beyond_multiple", "3", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--held_out_seeds must be at least 1, got 0"):
+        scaling_laws.main(["--quick", "--held_out_seeds", "0", "--output_dir", str(tmp_path)])
+
+
+def test_without_a_run_beyond_only_the_two_checked_runs_are_held_out(tmp_path):
+    scaling_laws.main(["--quick", "--beyond_multiple", "0", "--bootstrap", "0", "--output_dir", str(tmp_path)])
+    numbers = json.loads((tmp_path / "results.json").read_text())["numbers"]
+    assert [h["checked"] for h in numbers["held_out"]] == [True, True]
+    assert "one a step farther" not in (tmp_path / "report.md").read_text()
