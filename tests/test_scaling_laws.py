@@ -2,6 +2,7 @@
 compute-optimal size is the closed form's, and the ``predict`` and ``run`` commands answer with a number on their
 last line, or with one ``error:`` line."""
 
+import dataclasses
 import json
 import math
 import re
@@ -198,8 +199,17 @@ def test_bad_settings_are_refused(tmp_path):
         scaling_laws.main(["--quick", "--held_out_seeds", "0", "--output_dir", str(tmp_path)])
 
 
-def test_without_a_run_beyond_only_the_two_checked_runs_are_held_out(tmp_path):
-    scaling_laws.main(["--quick", "--beyond_multiple", "0", "--bootstrap", "0", "--output_dir", str(tmp_path)])
-    numbers = json.loads((tmp_path / "results.json").read_text())["numbers"]
-    assert [h["checked"] for h in numbers["held_out"]] == [True, True]
-    assert "one a step farther" not in (tmp_path / "report.md").read_text()
+def test_the_held_out_runs_are_the_two_checked_ones_and_the_one_beyond_unless_it_is_off():
+    """Beyond the grid the size comes from ``chosen`` at each run's own budget; the checked runs train
+    ``held_out_seeds`` seeds, the one beyond one seed; ``--beyond_multiple 0`` leaves it out."""
+    settings = dataclasses.replace(scaling_laws.Settings(), held_out_seeds=2)
+    between = object()
+
+    def chosen(budget):
+        return f"size at {budget:g}"
+
+    plans = scaling_laws.held_out_plans(settings, [2.5e12, 1e13], chosen, between)
+    assert plans == [(scaling_laws.FAR, "size at 4e+13", 4e13, 2), (scaling_laws.BETWEEN, between, 1e13, 2),
+                     (scaling_laws.BEYOND, "size at 8e+13", 8e13, 1)]  # fmt: skip
+    off = scaling_laws.held_out_plans(dataclasses.replace(settings, beyond_multiple=0), [2.5e12, 1e13], chosen, between)
+    assert [plan[0] for plan in off] == [scaling_laws.FAR, scaling_laws.BETWEEN]
