@@ -372,6 +372,9 @@ class Grid:
         return float(math.sqrt(np.mean(variances))) if variances else 0.0
 
 
+FAR, BETWEEN, BEYOND = "far", "between", "beyond"  # the held-out runs: checked, checked, reported
+
+
 @dataclass
 class HeldOut:
     """A run the fit has not seen, and what the fit predicts for it."""
@@ -392,6 +395,11 @@ class HeldOut:
     @property
     def error(self) -> float:
         return abs(self.predicted - self.measured)
+
+    @property
+    def checked(self) -> bool:
+        """Whether the claim is checked on this run (the run beyond is reported only)."""
+        return self.role != BEYOND
 
 
 def check_settings(settings: Settings) -> None:
@@ -568,9 +576,6 @@ def nearest(shapes: list[Shape], parameters: float) -> Shape:
     return min(shapes, key=lambda s: abs(math.log(s.parameters / parameters)))
 
 
-FAR, BETWEEN, BEYOND = "far", "between", "beyond"  # the held-out runs: checked, checked, reported
-
-
 def held_out_plans(settings: Settings, budgets: list[float], chosen, between: Shape) -> list[tuple]:
     """(role, shape, budget, seeds) of each held-out run: ``held_out_multiple`` times the largest budget and the
     ``between`` size at ``between_budget``, ``held_out_seeds`` seeds each (the claim's two checks); then, unless
@@ -600,12 +605,12 @@ def train_held_out(session, corpus, settings: Settings, grid: Grid, between: Sha
     for role, shape, budget, count in held_out_plans(settings, grid.budgets, chosen, between):
         steps = steps_for(budget, shape, settings)
         tokens = steps * tokens_per_step(settings)
-        label = held_out_label(role, settings)
-        predictions[role] = (label, shape, budget, steps, tokens, float(grid.fit.law.loss(shape.parameters, tokens)))
-        session.log(f"held out, {label}: {shape.label} at {budget:.3g} FLOPs, predicted {predictions[role][5]:.4f}")
+        label, predicted = held_out_label(role, settings), float(grid.fit.law.loss(shape.parameters, tokens))
+        predictions[role] = (label, shape, budget, steps, tokens, predicted)
+        session.log(f"held out, {label}: {shape.label} at {budget:.3g} FLOPs, predicted {predicted:.4f}")
         specs[role] = spec_for(settings, shape, steps, f"held out {shape.label} at {budget:.3g} FLOPs", base_width)
         seeds[role] = session.seeds[:count]
-    order = sorted(specs, key=lambda role: -predictions[role][2])  # the longest runs first: the workers end together
+    order = sorted(specs, key=lambda role: -predictions[role][2])  # the most FLOPs first: the workers end together
     trials = common.train_all(session, corpus, {role: specs[role] for role in order}, seeds)
     return [HeldOut(role, *predictions[role], trials[role]) for role in specs]
 
@@ -734,7 +739,7 @@ def checks(grid: Grid, held_out: list[HeldOut]) -> list[common.Check]:
             + ", ".join(f"{o.budget:.3g}: {o.tokens_per_parameter:.1f}" for o in grid.optima),
         ),
     ]
-    for run in (h for h in held_out if h.role != BEYOND):  # the run farther out: reported, no check
+    for run in (h for h in held_out if h.checked):
         out.append(common.Check(
             f"the fit predicts the held-out run at {run.label} ({run.shape.label}, {run.tokens:,} tokens) to within "
             f"{PREDICTION_TOLERANCE} nats",
@@ -859,7 +864,8 @@ def results_text(settings, grid: Grid, held_out: list[HeldOut], isoflop: str, co
 
 
 def discussion_text(grid: Grid, held_out: list[HeldOut]) -> str:
-    checked = [h for h in held_out if h.role != BEYOND]
+    checked = [h for h in held_out if h.checked]
+    seeds = len(checked[0].trials.runs)
     return (
         "Chinchilla fitted runs from 70M to 16B parameters, on text seen about once; these are models of "
         f"{grid.shapes[0].parameters:,} to {grid.shapes[-1].parameters:,} weights on a 1M-character text that the "
@@ -870,7 +876,7 @@ def discussion_text(grid: Grid, held_out: list[HeldOut]) -> str:
         "shallow models and not the deep ones) bends the IsoFLOP curves, and the fit takes that bend for the law. What "
         "the fit measures is how loss trades between N and D for this recipe and this corpus, between the grid's "
         "smallest and largest runs; beyond them it is an extrapolation, which the held-out runs test: two checked, on "
-        f"{len(checked[0].trials.runs)} seed{'s' if len(checked[0].trials.runs) > 1 else ''} each"
+        f"{seeds} seed{'s' if seeds > 1 else ''} each"
         + (", and one a step farther." if len(checked) < len(held_out) else ".")
     )
 
@@ -926,7 +932,7 @@ def numbers_of(session, settings: Settings, grid: Grid, held_out: list[HeldOut],
             dict(
                 role=h.role,
                 label=h.label,
-                checked=h.role != BEYOND,
+                checked=h.checked,
                 hidden_size=h.shape.hidden_size,
                 num_hidden_layers=h.shape.num_hidden_layers,
                 parameters=h.shape.parameters,
